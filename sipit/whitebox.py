@@ -1,0 +1,252 @@
+"""The white-box forward map Phi^l: hidden states at one layer, prefix caches, candidate steps.
+
+What "layer l" means (the one definition used everywhere in sipit-bench):
+
+- ``layer 0`` is the input of the first block: the output of the model's own embedding module
+  plus whatever the model adds before its first block (GPT-2's position embeddings, Gemma's
+  sqrt(d) scale), i.e. HF's ``hidden_states[0]``.
+- ``layer l`` for ``1 <= l <= L`` is the residual stream at the output of block ``l``.
+  For ``l < L`` this is HF's ``hidden_states[l]``. For ``l = L`` it is the output of the last
+  block *before* the final norm (HF's ``hidden_states[L]`` applies the final norm; ours does not:
+  the final norm belongs to the head, so every layer is a raw residual-stream state).
+- Negative ``l`` counts from the end as in Python: ``-1`` is ``L``, ``-L-1`` is ``0``.
+
+No block above ``l`` is ever computed: a hook on block ``l`` captures its output and stops the
+forward pass there (``blocks_run`` counts the blocks that completed, for tests).
+
+The model is reached only through generic handles: its embedding module
+(``get_input_embeddings``), its ``ModuleList`` of blocks, and its base model's ``forward`` with
+``inputs_embeds``/``position_ids``/``cache``. GPT-2 and Llama blocks, tied or untied heads and
+scaled embeddings all go through the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+
+class SipitInputError(ValueError):
+    """Bad user input: wrong layer, wrong shape, non-finite states, empty prompt..."""
+
+
+class _StopForward(Exception):
+    """Raised from a hook to stop the forward pass once layer l is reached."""
+
+
+@dataclass
+class PrefixCache:
+    """Keys/values of a fixed prefix for the blocks up to ``layer`` (batch 1).
+
+    ``kv[i]`` holds ``(keys, values)`` of block ``i`` with shape ``(1, heads, length, head_dim)``.
+    """
+
+    layer: int
+    length: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
+    """The model's block list: the ``ModuleList`` with ``num_hidden_layers`` entries."""
+    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    if not lists:
+        raise TypeError(f"{type(base).__name__}: found no ModuleList of {n_layers} blocks")
+    return lists[0]
+
+
+class WhiteBox:
+    """Phi^l for one causal LM: states, prefix caches, batched candidate steps, relaxed steps."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.config = model.config
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.n_layers: int = int(text_config.num_hidden_layers)
+        self.blocks = _find_blocks(self.base, self.n_layers)
+        self.embedding: nn.Module = model.get_input_embeddings()
+        self.vocab_size: int = int(self.embedding.weight.shape[0])
+        self.d: int = int(text_config.hidden_size)
+        self.blocks_run = 0
+        self._token_embeddings: torch.Tensor | None = None
+        for block in self.blocks:
+            block.register_forward_hook(self._count_block)
+
+    def _count_block(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.blocks_run += 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    # ----------------------------------------------------------------------------- validation
+    def resolve_layer(self, layer: int) -> int:
+        """Map a possibly negative layer index to ``0..L`` (Python indexing over L+1 layers)."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise SipitInputError(f"layer must be an int, got {layer!r}")
+        n = self.n_layers + 1
+        if not -n <= layer < n:
+            raise SipitInputError(
+                f"layer {layer} out of range: this model has layers 0..{self.n_layers} "
+                f"(0 = embeddings, {self.n_layers} = last block), or -{n}..-1 from the end"
+            )
+        return layer % n
+
+    def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Token ids as a 1-D long tensor on the model's device; rejects empty/out-of-vocab."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if ids.dim() != 1:
+            raise SipitInputError(f"expected a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise SipitInputError("empty prompt: there is nothing to invert")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise SipitInputError(f"token ids must lie in 0..{self.vocab_size - 1}")
+        return ids
+
+    def check_states(self, states: torch.Tensor) -> torch.Tensor:
+        """Observed states as a finite ``(T, d)`` float tensor on the model's device."""
+        if not isinstance(states, torch.Tensor):
+            raise SipitInputError(f"states must be a torch.Tensor, got {type(states).__name__}")
+        if states.dim() != 2 or states.shape[1] != self.d:
+            raise SipitInputError(
+                f"states must have shape (T, {self.d}) for this model, got {tuple(states.shape)}"
+            )
+        if states.shape[0] == 0:
+            raise SipitInputError("states hold no positions: there is nothing to invert")
+        if not torch.isfinite(states).all():
+            bad = (~torch.isfinite(states)).any(dim=1).nonzero().flatten().tolist()
+            raise SipitInputError(f"states contain NaN or inf at positions {bad[:10]}")
+        return states.to(device=self.device, dtype=self.embedding.weight.dtype)
+
+    # ------------------------------------------------------------------------------ forward
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own embedding module applied to ids (any leading shape)."""
+        return self.embedding(ids)
+
+    def token_embeddings(self) -> torch.Tensor:
+        """Embedding-module outputs of every token, ``(V, d)``: the points a relaxed input moves among."""
+        if self._token_embeddings is None:
+            with torch.no_grad():
+                self._token_embeddings = self.embed(torch.arange(self.vocab_size, device=self.device))
+        return self._token_embeddings
+
+    def _forward_to(
+        self, embeds: torch.Tensor, layer: int, start: int, cache: DynamicCache | None
+    ) -> torch.Tensor:
+        """Run ``embeds`` (B, n, d) at positions ``start..start+n-1`` up to ``layer``; return (B, n, d)."""
+        captured: dict[str, torch.Tensor] = {}
+        if layer == 0:
+
+            def grab_input(module, args, kwargs):
+                captured["h"] = args[0] if args else kwargs["hidden_states"]
+                raise _StopForward
+
+            handle = self.blocks[0].register_forward_pre_hook(grab_input, with_kwargs=True)
+        else:
+
+            def grab_output(module, args, output):
+                captured["h"] = output[0] if isinstance(output, tuple) else output
+                raise _StopForward
+
+            handle = self.blocks[layer - 1].register_forward_hook(grab_output)
+        batch, n = embeds.shape[:2]
+        positions = torch.arange(start, start + n, device=self.device).unsqueeze(0).expand(batch, n)
+        try:
+            self.base(
+                inputs_embeds=embeds,
+                position_ids=positions,
+                cache=cache,
+                use_cache=cache is not None,
+            )
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        if "h" not in captured:
+            raise RuntimeError("the forward pass ended before reaching the requested layer")
+        return captured["h"]
+
+    @torch.no_grad()
+    def states(self, ids: torch.Tensor | list[int], layer: int) -> torch.Tensor:
+        """Phi^l(ids): layer-``layer`` states of every position, ``(T, d)``; no block above runs."""
+        ids = self.check_ids(ids)
+        layer = self.resolve_layer(layer)
+        return self._forward_to(self.embed(ids)[None], layer, 0, None)[0]
+
+    @torch.no_grad()
+    def prefix_cache(self, prefix: torch.Tensor | list[int], layer: int) -> PrefixCache:
+        """Keys/values of ``prefix`` for blocks ``1..layer`` (computed once per decoding step)."""
+        layer = self.resolve_layer(layer)
+        prefix = torch.as_tensor(prefix, dtype=torch.long, device=self.device)
+        if prefix.numel() == 0 or layer == 0:
+            return PrefixCache(layer=layer, length=int(prefix.numel()), kv=[])
+        cache = DynamicCache(config=self.config)
+        self._forward_to(self.embed(prefix)[None], layer, 0, cache)
+        kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(layer)]
+        return PrefixCache(layer=layer, length=int(prefix.numel()), kv=kv)
+
+    def _expanded_cache(self, prefix: PrefixCache, batch: int) -> DynamicCache | None:
+        """A throwaway cache whose keys/values are views of the prefix's, expanded to ``batch``."""
+        if prefix.layer == 0:
+            return None
+        cache = DynamicCache(config=self.config)
+        if prefix.length == 0:
+            return cache
+        for i, (keys, values) in enumerate(prefix.kv):
+            layer_cache = cache.layers[i]
+            layer_cache.lazy_initialization(keys, values)
+            layer_cache.keys = keys.expand(batch, *keys.shape[1:])
+            layer_cache.values = values.expand(batch, *values.shape[1:])
+        return cache
+
+    def step_embeds(self, prefix: PrefixCache, embeds: torch.Tensor) -> torch.Tensor:
+        """Layer-l state at position ``prefix.length`` of prefix + e for each row e of ``embeds``.
+
+        ``embeds`` is ``(B, d)`` in embedding-module output space; this is the relaxed forward
+        used by gradient policies (differentiable in ``embeds``; wrap in ``no_grad`` otherwise).
+        """
+        return self._step(prefix, embeds)[0]
+
+    def _step(self, prefix: PrefixCache, embeds: torch.Tensor) -> tuple[torch.Tensor, DynamicCache | None]:
+        cache = self._expanded_cache(prefix, embeds.shape[0])
+        states = self._forward_to(embeds[:, None, :], prefix.layer, prefix.length, cache)[:, 0, :]
+        return states, cache
+
+    @torch.no_grad()
+    def step(self, prefix: PrefixCache, candidates: torch.Tensor) -> CandidateBatch:
+        """mu_{p,v} for a batch of candidate tokens v in one incremental pass on the cached prefix.
+
+        Returns the ``(B, d)`` states and, for whichever candidate is accepted, the extended
+        prefix cache without another forward pass (:meth:`CandidateBatch.extended`).
+        """
+        candidates = torch.as_tensor(candidates, dtype=torch.long, device=self.device)
+        states, cache = self._step(prefix, self.embed(candidates))
+        return CandidateBatch(candidates=candidates, states=states, prefix=prefix, cache=cache)
+
+    @torch.no_grad()
+    def extend(self, prefix: PrefixCache, token: int) -> PrefixCache:
+        """The cache of prefix + token (one incremental position)."""
+        return self.step(prefix, torch.tensor([token])).extended(0)
+
+
+@dataclass
+class CandidateBatch:
+    """States of prefix + v for a batch of candidates v, with the caches they produced."""
+
+    candidates: torch.Tensor
+    states: torch.Tensor
+    prefix: PrefixCache
+    cache: DynamicCache | None
+
+    def extended(self, index: int) -> PrefixCache:
+        """The prefix cache extended by ``candidates[index]``, sliced from this batch's cache."""
+        if self.cache is None:
+            return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=[])
+        kv = [
+            (self.cache.layers[i].keys[index : index + 1], self.cache.layers[i].values[index : index + 1])
+            for i in range(self.prefix.layer)
+        ]
+        return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=kv)

@@ -1,0 +1,340 @@
+"""Noise-robust SipIt decoders: nearest neighbour, MAP with the model's prior, beam search.
+
+Noise model (known to the attacker): h~_t = h_t + n_t, n_t ~ N(0, sigma^2 I_d), sigma absolute
+per coordinate. For the true token ||h~_t - mu_{p_t,s_t}||^2 / sigma^2 ~ chi^2_d, so the noise
+radius used for ``PositionRecord.radius`` is ``sigma * sqrt(chi2.ppf(1 - alpha, d))`` and
+``verified`` means the chosen token's distance lies inside it. ``sigma = 0`` is read as
+"floating-point noise only": the effective sigma is never below
+``acceptance_radius(h~_t) / sqrt(d)`` (sipit.tolerance), so every decoder degrades to exact
+SipIt acceptance at sigma = 0.
+
+Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer) -> Inversion``):
+
+- :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t||. Stopping rules:
+  ``exact``: the whole vocabulary is scored (chunked, :func:`sipit.margins.distances_to_all`);
+  provably the nearest neighbour (no bound cheaper than a full scan is known to us).
+  ``heuristic``: candidates in the policy's order (gradient + prior), in growing batches; stop as
+  soon as the best so far lies inside the noise radius (or after ``max_candidates``). It can stop
+  on a wrong token that happens to lie inside the radius; benchmarks.noise measures how often.
+  ``shortlist``: argmin over the shared shortlist (below), for a like-for-like comparison with
+  MAP and beam.
+- :class:`MapDecoder` — argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), prior =
+  the model's own next-token distribution (sipit.prior.NextTokenPrior).
+- :class:`BeamSipIt` — beam over prefixes scored by the summed log-likelihood
+  sum_t [-||mu - h~_t||^2 / (2 sigma^2) + log P(s_t | p_t)], with backtracking: when the best
+  squared distance at step t is implausible (chi2 tail P(chi^2_d >= d2 / sigma^2) < alpha), the
+  beam at step t-1 is replaced by the next-best pruned hypotheses there (further back if none).
+
+Candidate restriction (HEURISTIC unless ``exact=True``): MAP, beam and NN-``shortlist`` score a
+shortlist per position: the prior's top ``k_prior`` tokens, then ``rounds`` rounds of the
+gradient ranking (attacks.policies.GradientPolicy.gradient_order) anchored at the nearest token
+found so far, ``k_grad`` new tokens each. The true token can fall outside it; benchmarks.noise
+measures how often. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from scipy.stats import chi2
+
+from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
+from attacks.result import Inversion, PositionRecord
+from sipit.margins import distances_to_all
+from sipit.prior import NextTokenPrior
+from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
+from sipit.whitebox import PrefixCache, WhiteBox
+
+STOP_RULES = ("exact", "heuristic", "shortlist")
+
+
+def chi2_radius(sigma: float, d: int, alpha: float) -> float:
+    """sigma * sqrt(chi2_d quantile at 1 - alpha): the true token lies inside w.p. 1 - alpha."""
+    return float(sigma * math.sqrt(chi2.ppf(1.0 - alpha, d)))
+
+
+def implausible(squared_distance: float, sigma: float, d: int, alpha: float) -> bool:
+    """True when P(chi^2_d >= squared_distance / sigma^2) < alpha."""
+    return float(chi2.sf(squared_distance / sigma**2, d)) < alpha
+
+
+def effective_sigmas(observed: torch.Tensor, sigma: float, rel_tol: float) -> list[float]:
+    """Per-position sigma, floored at the floating-point scale acceptance_radius / sqrt(d)."""
+    floor = acceptance_radius(observed, rel_tol) / math.sqrt(observed.shape[1])
+    return [max(float(sigma), float(f)) for f in floor]
+
+
+def _check(sigma: float, alpha: float) -> None:
+    if not sigma >= 0 or not math.isfinite(sigma):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+
+
+@dataclass
+class Scored:
+    """Candidates scored at one position: token ids and their distances to h~_t."""
+
+    candidates: torch.Tensor  # (n,) long
+    distances: torch.Tensor  # (n,) float
+
+
+class CandidateScorer:
+    """Scores candidates at one position: the full vocabulary (exact) or the shortlist."""
+
+    def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
+                 chunk: int = 1024):
+        if k_prior < 0 or k_grad < 1 or rounds < 0:
+            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0")
+        self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
+        self._gradient = GradientPolicy()
+
+    def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
+              prior_logprobs: torch.Tensor | None) -> Scored:
+        if self.exact:
+            dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
+            return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
+        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
+        cands: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []
+
+        def run(ids: torch.Tensor) -> None:
+            ids = ids[~tried[ids]]
+            if ids.numel() == 0:
+                return
+            states = whitebox.step(prefix, ids).states
+            tried[ids] = True
+            cands.append(ids.cpu())
+            dists.append((states - target).norm(dim=-1).float().cpu())
+
+        ctx = StepContext(whitebox, prefix, target, prior_logprobs, torch.Generator())
+        if prior_logprobs is not None and self.k_prior > 0:
+            run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
+        else:
+            run(self._gradient.gradient_order(ctx)[: self.k_grad].cpu())
+        for _ in range(self.rounds):
+            all_c, all_d = torch.cat(cands), torch.cat(dists)
+            ctx.anchor = int(all_c[all_d.argmin()])
+            order = self._gradient.gradient_order(ctx).cpu()
+            run(order[~tried[order]][: self.k_grad])
+        return Scored(torch.cat(cands), torch.cat(dists))
+
+
+def _inversion(records: list[PositionRecord], started: float, whitebox: WhiteBox, tokenizer) -> Inversion:
+    ids = [r.token for r in records]
+    return Inversion(ids=ids, text=tokenizer.decode(ids) if tokenizer is not None else "",
+                     positions=records, seconds=time.perf_counter() - started, vocab_size=whitebox.vocab_size)
+
+
+class _Greedy:
+    """Left-to-right loop shared by NN and MAP: choose(scored, prior, sigma_t) picks one token."""
+
+    name = "greedy"
+    uses_prior = False
+
+    def __init__(self, sigma: float, *, alpha: float, rel_tol: float, scorer: CandidateScorer, progress: bool):
+        _check(sigma, alpha)
+        self.sigma, self.alpha, self.rel_tol, self.scorer, self.progress = sigma, alpha, rel_tol, scorer, progress
+        self.last_candidates: list[torch.Tensor] = []  # candidates scored per position (last call)
+
+    def choose(self, scored: Scored, prior: torch.Tensor | None, sigma: float) -> int:
+        raise NotImplementedError
+
+    def decode_position(self, whitebox, prefix, target, prior, sigma, radius) -> tuple[int, float, int]:
+        scored = self.scorer.score(whitebox, prefix, target, prior)
+        self.last_candidates.append(scored.candidates)
+        j = self.choose(scored, prior, sigma)
+        return int(scored.candidates[j]), float(scored.distances[j]), int(scored.candidates.numel())
+
+    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None) -> Inversion:
+        layer = whitebox.resolve_layer(layer)
+        observed = whitebox.check_states(observed)
+        sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
+        prior = NextTokenPrior(whitebox.model) if self.uses_prior else None
+        prefix = whitebox.prefix_cache([], layer)
+        self.last_candidates = []
+        records: list[PositionRecord] = []
+        started = time.perf_counter()
+        for t in range(observed.shape[0]):
+            t0 = time.perf_counter()
+            radius = chi2_radius(sigmas[t], whitebox.d, self.alpha)
+            token, dist, tried = self.decode_position(
+                whitebox, prefix, observed[t], prior.logprobs if prior is not None else None, sigmas[t], radius)
+            records.append(PositionRecord(t, token, dist, radius, tried, time.perf_counter() - t0, dist <= radius))
+            if t + 1 < observed.shape[0]:
+                prefix = whitebox.extend(prefix, token)
+                if prior is not None:
+                    prior.push(token)
+        return _inversion(records, started, whitebox, tokenizer)
+
+
+class NearestNeighbour(_Greedy):
+    """argmin_v ||mu_{p_t,v} - h~_t|| with an exact, heuristic or shortlist stopping rule."""
+
+    name = "nn"
+
+    def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
+                 alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
+                 max_candidates: int | None = None, chunk: int = 1024, k_prior: int = 32, k_grad: int = 32,
+                 rounds: int = 1, progress: bool = False):
+        if stop not in STOP_RULES:
+            raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
+        scorer = CandidateScorer(exact=stop == "exact", k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+        super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
+        self.stop = stop
+        self.uses_prior = stop != "exact"  # the prior only orders candidates, never decides
+        self.policy = policy if policy is not None else GradientPolicy()
+        self.batch_size = batch_size
+        self.max_candidates = max_candidates
+        self.name = "nn" if stop == "exact" else f"nn-{stop}"
+
+    def choose(self, scored: Scored, prior, sigma: float) -> int:
+        return int(scored.distances.argmin())
+
+    def decode_position(self, whitebox, prefix, target, prior, sigma, radius):
+        if self.stop != "heuristic":
+            return super().decode_position(whitebox, prefix, target, prior, sigma, radius)
+        ctx = StepContext(whitebox, prefix, target, prior, torch.Generator().manual_seed(prefix.length))
+        self.policy.start(ctx)
+        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
+        cap = whitebox.vocab_size if self.max_candidates is None else min(self.max_candidates, whitebox.vocab_size)
+        best, best_token, size = float("inf"), -1, self.batch_size
+        while int(tried.sum()) < cap:
+            cands = self.policy.propose(ctx, tried, min(size, cap - int(tried.sum())))
+            if cands.numel() == 0:
+                break
+            dist = (whitebox.step(prefix, cands).states - target).norm(dim=-1)
+            tried[cands] = True
+            j = int(dist.argmin())
+            if float(dist[j]) < best:
+                best, best_token = float(dist[j]), int(cands[j])
+                ctx.anchor = best_token
+            if best <= radius:
+                break
+            size *= 2
+        self.last_candidates.append(tried.nonzero().flatten())
+        return best_token, best, int(tried.sum())
+
+
+class MapDecoder(_Greedy):
+    """argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), greedy left to right."""
+
+    name = "map"
+    uses_prior = True
+
+    def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
+                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, progress: bool = False):
+        scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+        super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
+
+    def choose(self, scored: Scored, prior, sigma: float) -> int:
+        return int(map_scores(scored, prior, sigma).argmin())
+
+
+def map_scores(scored: Scored, prior: torch.Tensor | None, sigma: float) -> torch.Tensor:
+    """Negative log posterior (up to a constant) of each scored candidate."""
+    energy = scored.distances.double().pow(2) / (2 * sigma**2)
+    if prior is not None:
+        energy = energy - prior.cpu().double()[scored.candidates]
+    return energy
+
+
+@dataclass(order=True)
+class _Pending:
+    """A scored, not yet materialised child hypothesis (ordered by -score for heapq)."""
+
+    neg_score: float
+    token: int = field(compare=False)
+    distance: float = field(compare=False)
+    tried: int = field(compare=False)
+    parent: "_Hyp" = field(compare=False)
+
+
+@dataclass
+class _Hyp:
+    tokens: list[int]
+    records: list[PositionRecord]
+    score: float
+    prefix: PrefixCache | None  # cache of tokens[:-1] + tokens[-1] once materialised
+    prior: NextTokenPrior | None
+
+
+class BeamSipIt:
+    """Beam search over prefixes with chi-square backtracking (see module docstring)."""
+
+    name = "beam"
+
+    def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
+                 *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, k_prior: int = 32, k_grad: int = 32,
+                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, progress: bool = False):
+        _check(sigma, alpha)
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
+        self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
+        self.scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+        self.backtracks = 0  # of the last call
+
+    def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius) -> list[_Pending]:
+        prior = hyp.prior.logprobs if hyp.prior is not None else None
+        scored = self.scorer.score(whitebox, hyp.prefix, target, prior)
+        loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
+        k = min(self.width, loglik.numel())
+        top = torch.topk(loglik, k).indices
+        return [_Pending(-(hyp.score + float(loglik[j])), int(scored.candidates[j]), float(scored.distances[j]),
+                         int(scored.candidates.numel()), hyp) for j in top.tolist()]
+
+    def _materialise(self, p: _Pending, whitebox, radius: float, seconds: float, last: bool) -> _Hyp:
+        parent = p.parent
+        t = len(parent.tokens)
+        record = PositionRecord(t, p.token, p.distance, radius, p.tried, seconds, p.distance <= radius)
+        prefix, prior = None, None
+        if not last:
+            prefix = whitebox.extend(parent.prefix, p.token)
+            if parent.prior is not None:
+                prior = parent.prior.fork()
+                prior.push(p.token)
+        return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior)
+
+    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None) -> Inversion:
+        layer = whitebox.resolve_layer(layer)
+        observed = whitebox.check_states(observed)
+        T = observed.shape[0]
+        sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
+        radii = [chi2_radius(s, whitebox.d, self.alpha) for s in sigmas]
+        # The prior also orders the shortlist, so it is streamed even when it does not score.
+        root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
+        root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior)
+        started = time.perf_counter()
+        beams: list[list[_Hyp]] = [[root]]  # beams[t] = hypotheses holding t tokens
+        reserve: list[list[_Pending]] = [[]]  # reserve[t] = pruned children of beams[t-1], as a heap
+        self.backtracks = 0
+        while len(beams) <= T:
+            t = len(beams) - 1  # decode position t from beams[t]
+            t0 = time.perf_counter()
+            pending = [c for h in beams[t] for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t])]
+            heapq.heapify(pending)
+            best_d2 = min(p.distance for p in pending) ** 2
+            if (self.backtrack and t > 0 and self.backtracks < self.max_backtracks
+                    and implausible(best_d2, sigmas[t], whitebox.d, self.alpha)):
+                back = t
+                while back > 0 and not reserve[back]:
+                    back -= 1
+                if back > 0:  # replace beams[back] by the next-best pruned hypotheses at that depth
+                    self.backtracks += 1
+                    del beams[back:], reserve[back + 1:]
+                    heap = reserve[back]
+                    took = [heapq.heappop(heap) for _ in range(min(self.width, len(heap)))]
+                    secs = time.perf_counter() - t0
+                    beams.append([self._materialise(p, whitebox, radii[back - 1], secs, back == T) for p in took])
+                    continue
+            took = [heapq.heappop(pending) for _ in range(min(self.width, len(pending)))]
+            secs = (time.perf_counter() - t0) / max(len(beams[t]), 1)
+            beams.append([self._materialise(p, whitebox, radii[t], secs, t + 1 == T) for p in took])
+            reserve.append(pending)
+        best = max(beams[T], key=lambda h: h.score)
+        return _inversion(best.records, started, whitebox, tokenizer)

@@ -1,0 +1,171 @@
+"""The common interface of every defence: what it does to the served model and to what leaks.
+
+A defence acts in up to three places (ARCHITECTURE.md, "defenses/"):
+
+- :meth:`Defense.serve` — the model the provider runs (quantised weights, tied embeddings, noise
+  injected inside the network). Returns a *new* :class:`LoadedModel` when it changes anything,
+  never mutating the caller's model; the same object otherwise.
+- :meth:`Defense.expose` — what leaks, computed from the served model's layer-l states ``(T, d)``
+  (noisy, quantised-then-dequantised or pooled states).
+- :meth:`Defense.attacker_model` — the white-box model an adaptive attacker holds
+  (``knows_defense=True``: everything the defence does to the weights; ``False``: only the
+  original full-precision weights).
+
+Parameters are validated once, in ``__init__``; a bad value raises :class:`DefenseParamError`
+(a ``ValueError``) naming the parameter and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from sipit.models import LoadedModel
+from sipit.whitebox import SipitInputError
+
+
+class DefenseParamError(ValueError):
+    """A defence parameter with a bad value, an unknown name, or a bad combination."""
+
+
+class PooledExposureError(SipitInputError):
+    """A per-position attack was given a pooled exposure (see :func:`require_per_position`)."""
+
+
+class Defense(ABC):
+    """Base class: named, validated parameters plus serve / expose / attacker_model."""
+
+    name: ClassVar[str]
+    per_position: ClassVar[bool] = True
+    #: the keyword parameters this defence accepts (used by ``make_chain`` to route params)
+    param_names: ClassVar[tuple[str, ...]] = ()
+
+    def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
+        """The served model (default: the same object, the defence does not touch the weights)."""
+        return loaded
+
+    def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """What leaks, from the served model's layer-l states ``(T, d)`` (default: the states)."""
+        return states
+
+    def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
+        """The white-box model an adaptive attacker holds (default: the clean model)."""
+        return loaded
+
+    def noise_sigma(self, states: torch.Tensor) -> float:
+        """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
+        return 0.0
+
+    @abstractmethod
+    def params(self) -> dict:
+        """The validated parameters, for logging."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the defence does to the served model, to the exposure, and what the attacker knows."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+def copy_loaded(loaded: LoadedModel, suffix: str) -> LoadedModel:
+    """A deep copy of the model (same tokenizer object), named ``<name>+<suffix>``, in eval mode."""
+    model = copy.deepcopy(loaded.model)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=loaded.tokenizer, name=f"{loaded.name}+{suffix}")
+
+
+def require_per_position(defense: Defense, attack_name: str = "this attack") -> None:
+    """Raise :class:`PooledExposureError` when ``defense`` exposes pooled (non ``(T, d)``) states.
+
+    Per-position attacks (SipIt, nearest-neighbour decoding) need one state per token. Pooled
+    exposures have the layout ``(1, P, D')`` so ``WhiteBox.check_states`` rejects them anyway;
+    this helper says why and what to use instead.
+    """
+    if not defense.per_position:
+        raise PooledExposureError(
+            f"{attack_name} decodes one state per position, but defence {defense.name!r} "
+            f"({defense.params()}) exposes only pooled states; use "
+            "defenses.pooled_attack.PooledBeamAttack (the adaptive attack on pooled exposure)"
+        )
+
+
+def check_choice(param: str, value, choices) -> None:
+    if value not in choices:
+        raise DefenseParamError(f"{param} must be one of {list(choices)}, got {value!r}")
+
+
+def check_number(param: str, value, *, minimum=None, exclusive: bool = False, integer: bool = False):
+    """Validate a number (bool rejected); returns it as int/float."""
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise DefenseParamError(f"{param} must be {'an int' if integer else 'a number'}, got {value!r}")
+    if not integer and not float("-inf") < float(value) < float("inf"):
+        raise DefenseParamError(f"{param} must be finite, got {value!r}")
+    if minimum is not None:
+        bad = value <= minimum if exclusive else value < minimum
+        if bad:
+            raise DefenseParamError(f"{param} must be {'>' if exclusive else '>='} {minimum}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+class NoDefense(Defense):
+    """The undefended baseline: the model served as is, its states exposed exactly."""
+
+    name = "none"
+
+    def params(self) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return "none: served model unchanged; exposure = exact layer-l states; attacker holds the same model."
+
+
+class Chain(Defense):
+    """Defences applied in order: serve folds left, exposure applies each member in turn."""
+
+    name = "chain"
+
+    def __init__(self, members: list[Defense]):
+        if not members:
+            raise DefenseParamError("a chain needs at least one defence")
+        for i, member in enumerate(members[:-1]):
+            if not member.per_position:
+                raise DefenseParamError(
+                    f"{member.name!r} pools the exposure, so it must come last in a chain (position {i})"
+                )
+        self.members = list(members)
+
+    @property
+    def per_position(self) -> bool:  # type: ignore[override]
+        return all(m.per_position for m in self.members)
+
+    def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
+        for member in self.members:
+            loaded = member.serve(loaded, layer)
+        return loaded
+
+    def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        for member in self.members:
+            states = member.expose(states, generator)
+        return states
+
+    def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
+        for member in self.members:
+            loaded = member.attacker_model(loaded, layer, knows_defense)
+        return loaded
+
+    def noise_sigma(self, states: torch.Tensor) -> float:
+        """Independent Gaussian noise adds in quadrature."""
+        return float(sum(m.noise_sigma(states) ** 2 for m in self.members) ** 0.5)
+
+    def params(self) -> dict:
+        return {"members": [{"name": m.name, **m.params()} for m in self.members]}
+
+    def describe(self) -> str:
+        return "chain, in order:\n" + "\n".join(f"  {i + 1}. {m.describe()}" for i, m in enumerate(self.members))

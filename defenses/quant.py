@@ -1,0 +1,156 @@
+"""bitsandbytes quantisation: of the served weights, and/or of the exposed activations.
+
+Served weights (``weights``: ``int8``, ``nf4``, ``fp4`` or ``none``): every ``nn.Linear`` inside
+the transformer blocks (attention q/k/v/o and MLP projections; GPT-2's ``Conv1D`` layers are
+converted to ``nn.Linear`` first) is replaced by ``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``,
+``threshold=0``) or ``bnb.nn.Linear4bit`` (``quant_type`` nf4/fp4, ``compress_statistics=False``,
+``compute_dtype=float32``). The input embeddings, position embeddings, norms and the LM head stay in
+full precision (as ``BitsAndBytesConfig`` does by default: it skips the head). The model is a
+quantised *copy* of the fp32 model (GGUF loading cannot be combined with ``quantization_config``);
+by-hand replacement with ``compress_statistics=False`` and ``.eval()`` matches ``from_pretrained``.
+
+``threshold=0`` turns off LLM.int8's outlier decomposition: with it on, the outlier columns are
+chosen over the whole batch, so a candidate's state would depend on the other candidates in the
+batch (measured up to 0.66 apart on SmolLM2) and batched exact verification would break. With
+``threshold=0`` int8 is batch-independent (tested). 4-bit matmuls on this CPU run a bf16 kernel
+whatever the compute dtype.
+
+Exposed activations (``activations``: ``int8``, ``nf4``, ``fp4`` or ``none``): the layer-l state
+tensor is stored with ``bitsandbytes.functional.quantize_blockwise`` (8-bit dynamic, blocks of
+``blocksize``) or ``quantize_4bit`` (nf4/fp4, blocks of ``blocksize``) and dequantised by whoever
+reads it.
+
+Attacker: ``knows_defense=True`` holds the same quantised weights (the served model);
+``False`` holds only the fp32 weights (mismatch: the recomputed states differ from the leak by
+the quantisation error, so exact verification needs a wide radius or nearest-candidate decoding).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from defenses.base import Defense, DefenseParamError, check_choice, check_number, copy_loaded
+from sipit.models import LoadedModel
+from sipit.whitebox import WhiteBox
+
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # one line per int8 matmul otherwise
+
+import bitsandbytes as bnb  # noqa: E402
+import bitsandbytes.functional as bnbf  # noqa: E402
+
+WEIGHT_KINDS = ("none", "int8", "nf4", "fp4")
+ACTIVATION_KINDS = ("none", "int8", "nf4", "fp4")
+
+
+def _as_linear(module: nn.Module) -> nn.Linear | None:
+    """``nn.Linear`` as is; GPT-2's ``Conv1D`` (weight stored transposed) as an equivalent Linear."""
+    if isinstance(module, nn.Linear) and not isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
+        return module
+    if type(module).__name__ == "Conv1D":
+        in_f, out_f = module.weight.shape
+        linear = nn.Linear(in_f, out_f, bias=module.bias is not None)
+        linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+        return linear
+    return None
+
+
+def quantize_linear(linear: nn.Linear, kind: str) -> nn.Module:
+    """A bitsandbytes module holding ``linear``'s weights quantised to ``kind`` (int8/nf4/fp4)."""
+    weight = linear.weight.detach().float().clone()
+    has_bias = linear.bias is not None
+    if kind == "int8":
+        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                  has_fp16_weights=False, threshold=0.0)
+        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
+                                compute_dtype=torch.float32, compress_statistics=False, quant_type=kind)
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=kind, compress_statistics=False)
+    if has_bias:
+        new.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+    new = new.to(linear.weight.device)  # bitsandbytes quantises on .to(device)
+    new.eval()
+    return new
+
+
+def quantize_blocks(model: nn.Module, kind: str) -> int:
+    """Replace every linear layer inside the model's blocks by its ``kind`` bnb module, in place.
+
+    Returns the number of layers replaced. Embeddings, norms and the LM head are not touched.
+    """
+    whitebox = WhiteBox(model)
+    replaced = 0
+    for block in whitebox.blocks:
+        for name, module in list(block.named_modules()):
+            linear = _as_linear(module)
+            if linear is None or not name:
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            setattr(parent, child, quantize_linear(linear, kind))
+            replaced += 1
+    model.eval()
+    return replaced
+
+
+def quantize_activations(states: torch.Tensor, kind: str, blocksize: int) -> torch.Tensor:
+    """Store ``states`` block-wise quantised (bitsandbytes) and read them back (dequantised)."""
+    if kind == "none":
+        return states
+    flat = states.detach().float().contiguous()
+    if kind == "int8":
+        q, qstate = bnbf.quantize_blockwise(flat, blocksize=blocksize)
+        out = bnbf.dequantize_blockwise(q, qstate)
+    else:
+        q, qstate = bnbf.quantize_4bit(flat, blocksize=blocksize, quant_type=kind)
+        out = bnbf.dequantize_4bit(q, qstate)
+    return out.reshape(states.shape).to(dtype=states.dtype, device=states.device)
+
+
+class Quantization(Defense):
+    name = "quant"
+    param_names = ("weights", "activations", "blocksize")
+
+    def __init__(self, weights: str = "int8", activations: str = "none", blocksize: int = 64):
+        check_choice("weights", weights, WEIGHT_KINDS)
+        check_choice("activations", activations, ACTIVATION_KINDS)
+        if weights == "none" and activations == "none":
+            raise DefenseParamError("quant with weights='none' and activations='none' does nothing; use 'none'")
+        self.blocksize = check_number("blocksize", blocksize, integer=True, minimum=64)
+        if self.blocksize not in (64, 128, 256, 512, 1024, 2048, 4096):
+            raise DefenseParamError(f"blocksize must be a power of two in 64..4096, got {blocksize}")
+        self.weights, self.activations = weights, activations
+        self._cache: tuple[nn.Module, LoadedModel] | None = None
+
+    def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
+        if self.weights == "none":
+            return loaded
+        # One quantised copy per source model (the adaptive attacker shares it; layer-independent).
+        if self._cache is None or self._cache[0] is not loaded.model:
+            served = copy_loaded(loaded, f"bnb-{self.weights}")
+            quantize_blocks(served.model, self.weights)
+            self._cache = (loaded.model, served)
+        return self._cache[1]
+
+    def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return quantize_activations(states, self.activations, self.blocksize)
+
+    def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
+        return self.serve(loaded, layer) if knows_defense else loaded
+
+    def params(self) -> dict:
+        return {"weights": self.weights, "activations": self.activations, "blocksize": self.blocksize}
+
+    def describe(self) -> str:
+        served = ("served model unchanged" if self.weights == "none" else
+                  f"served model: block linear layers bnb {self.weights} "
+                  "(embeddings, norms, LM head fp32; int8 threshold 0 = batch-independent)")
+        exposed = ("exposure: exact states" if self.activations == "none" else
+                   f"exposure: states stored bnb block-wise {self.activations} (blocks of {self.blocksize}), dequantised")
+        return (f"quant: {served}; {exposed}. Attacker knows_defense=True holds the same quantised "
+                "weights, False only the fp32 weights (mismatch).")

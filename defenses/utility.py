@@ -1,0 +1,149 @@
+"""Utility cost of a defence, on held-out offline English text (Python's ``pydoc_data.topics``).
+
+Text: the pydoc topics sorted by name; every 5th topic (index % 5 == 0) is held out for utility,
+the other topics are the frequency corpus of the rare-token tying variant (:func:`token_counts`),
+so the two never overlap. ``n_tokens`` tokens are taken from the tokenised held-out text at an
+offset drawn from ``torch.Generator().manual_seed(seed)``: the same slice for every defence.
+
+Measures (:class:`UtilityReport`):
+
+- perplexity of the clean and the served model over the slice (non-overlapping windows of
+  ``window`` tokens, capped at the model's context), and the relative increase;
+- next-token top-1 agreement of the served model with the clean one;
+- for per-position exposures, the fidelity of what leaks vs the clean layer-l states on the first
+  ``fidelity_tokens`` tokens: relative L2 error ``||E - H||_F / ||H||_F`` and mean row cosine.
+  (Pooled exposures have no per-position fidelity; their shape is reported.)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import torch
+
+from defenses.base import Defense
+from sipit.models import LoadedModel
+from sipit.whitebox import WhiteBox
+
+HELD_OUT_EVERY = 5
+
+
+def _topics() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    return sorted(topics.items())
+
+
+def held_out_text() -> str:
+    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELD_OUT_EVERY == 0)
+
+
+def frequency_text() -> str:
+    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELD_OUT_EVERY != 0)
+
+
+@lru_cache(maxsize=8)
+def _encode(tokenizer, which: str) -> torch.Tensor:
+    text = held_out_text() if which == "held_out" else frequency_text()
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def token_counts(tokenizer, vocab_size: int) -> torch.Tensor:
+    """Counts of each token id over the frequency corpus (disjoint from the utility text)."""
+    return torch.bincount(_encode(tokenizer, "frequency"), minlength=vocab_size)[:vocab_size]
+
+
+def held_out_ids(tokenizer, n_tokens: int = 2048, seed: int = 0) -> torch.Tensor:
+    """The fixed utility slice: ``n_tokens`` ids at a seeded offset in the held-out text."""
+    ids = _encode(tokenizer, "held_out")
+    if n_tokens < 2 or n_tokens > ids.numel():
+        raise ValueError(f"n_tokens must lie in 2..{ids.numel()}, got {n_tokens}")
+    start = int(torch.randint(0, ids.numel() - n_tokens + 1, (1,), generator=torch.Generator().manual_seed(seed)))
+    return ids[start : start + n_tokens]
+
+
+@dataclass
+class UtilityReport:
+    defense: str
+    params: dict
+    layer: int
+    n_tokens: int
+    ppl_clean: float
+    ppl_served: float
+    ppl_rel_increase: float
+    top1_agreement: float
+    state_rel_l2: float | None = None
+    state_cosine: float | None = None
+    exposure_shape: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _context(model) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1024))
+
+
+_CLEAN: dict[tuple, tuple] = {}
+
+
+@torch.no_grad()
+def _nll_and_top1(model, ids: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per predicted token: negative log-likelihood and the argmax prediction."""
+    nll, top1 = [], []
+    for part in ids.split(window):
+        if part.numel() < 2:
+            continue
+        logits = model(input_ids=part[None]).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        nll.append(-logp.gather(1, part[1:, None])[:, 0])
+        top1.append(logits.argmax(dim=-1))
+    return torch.cat(nll), torch.cat(top1)
+
+
+@torch.no_grad()
+def utility_cost(
+    clean: LoadedModel,
+    defense: Defense,
+    layer: int,
+    *,
+    n_tokens: int = 2048,
+    seed: int = 0,
+    window: int = 1024,
+    fidelity_tokens: int = 256,
+) -> UtilityReport:
+    """Perplexity, top-1 agreement and exposure fidelity of ``defense`` vs the clean model."""
+    started = time.perf_counter()
+    ids = held_out_ids(clean.tokenizer, n_tokens, seed)
+    window = min(window, _context(clean.model))
+    key = (clean.name, n_tokens, seed, window)
+    if key not in _CLEAN or _CLEAN[key][0] is not clean.model:
+        _CLEAN[key] = (clean.model, *_nll_and_top1(clean.model, ids, window))
+    _, nll_clean, top1_clean = _CLEAN[key]
+    served = defense.serve(clean, layer)
+    if served.model is clean.model:
+        nll_served, top1_served = nll_clean, top1_clean
+    else:
+        nll_served, top1_served = _nll_and_top1(served.model, ids, window)
+    ppl_clean = math.exp(float(nll_clean.mean()))
+    ppl_served = math.exp(float(nll_served.mean()))
+    report = UtilityReport(
+        defense=defense.name, params=defense.params(), layer=layer, n_tokens=int(ids.numel()),
+        ppl_clean=ppl_clean, ppl_served=ppl_served, ppl_rel_increase=ppl_served / ppl_clean - 1.0,
+        top1_agreement=float((top1_served == top1_clean).float().mean()),
+    )
+    probe = ids[:fidelity_tokens]
+    states_clean = WhiteBox(clean.model).states(probe, layer)
+    exposed = defense.expose(WhiteBox(served.model).states(probe, layer), torch.Generator().manual_seed(seed))
+    report.exposure_shape = list(exposed.shape)
+    if exposed.shape == states_clean.shape:
+        diff = (exposed.float() - states_clean.float())
+        report.state_rel_l2 = float(diff.norm() / states_clean.float().norm())
+        report.state_cosine = float(torch.nn.functional.cosine_similarity(exposed.float(), states_clean.float(), dim=-1).mean())
+    report.seconds = time.perf_counter() - started
+    return report

@@ -23,7 +23,10 @@ Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer)
 - :class:`BeamSipIt` — beam over prefixes scored by the summed log-likelihood
   sum_t [-||mu - h~_t||^2 / (2 sigma^2) + log P(s_t | p_t)], with backtracking: when the best
   squared distance at step t is implausible (chi2 tail P(chi^2_d >= d2 / sigma^2) < alpha), the
-  beam at step t-1 is replaced by the next-best pruned hypotheses there (further back if none).
+  next-best pruned hypotheses for position t-1 are revived (``width`` per round, at most
+  ``max_backtracks`` rounds per call) and expanded at t alongside the beam; the summed score picks
+  the survivors, so a wrong commit at t-1 is undone while an outlier at t itself (every prefix
+  equally bad) leaves the best prefix in place. Backtracking reaches one position back.
 
 Candidate restriction (HEURISTIC unless ``exact=True``): MAP, beam and NN-``shortlist`` score a
 shortlist per position: the prior's top ``k_prior`` tokens, then ``rounds`` rounds of the
@@ -318,20 +321,19 @@ class BeamSipIt:
             t0 = time.perf_counter()
             pending = [c for h in beams[t] for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t])]
             heapq.heapify(pending)
-            best_d2 = min(p.distance for p in pending) ** 2
-            if (self.backtrack and t > 0 and self.backtracks < self.max_backtracks
-                    and implausible(best_d2, sigmas[t], whitebox.d, self.alpha)):
-                back = t
-                while back > 0 and not reserve[back]:
-                    back -= 1
-                if back > 0:  # replace beams[back] by the next-best pruned hypotheses at that depth
-                    self.backtracks += 1
-                    del beams[back:], reserve[back + 1:]
-                    heap = reserve[back]
-                    took = [heapq.heappop(heap) for _ in range(min(self.width, len(heap)))]
-                    secs = time.perf_counter() - t0
-                    beams.append([self._materialise(p, whitebox, radii[back - 1], secs, back == T) for p in took])
-                    continue
+            # Backtracking: while the best squared distance at t is implausible, revive the next
+            # pruned alternatives for position t-1 (reserve[t]) into the competition; the summed
+            # log-likelihood then decides (an outlier at t itself penalises every prefix alike).
+            while (self.backtrack and t > 0 and reserve[t] and self.backtracks < self.max_backtracks
+                   and implausible(min(p.distance for p in pending) ** 2, sigmas[t], whitebox.d, self.alpha)):
+                self.backtracks += 1
+                heap = reserve[t]
+                took = [heapq.heappop(heap) for _ in range(min(self.width, len(heap)))]
+                revived = [self._materialise(p, whitebox, radii[t - 1], 0.0, False) for p in took]
+                beams[t].extend(revived)
+                for h in revived:
+                    for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t]):
+                        heapq.heappush(pending, c)
             took = [heapq.heappop(pending) for _ in range(min(self.width, len(pending)))]
             secs = (time.perf_counter() - t0) / max(len(beams[t]), 1)
             beams.append([self._materialise(p, whitebox, radii[t], secs, t + 1 == T) for p in took])

@@ -1,0 +1,100 @@
+"""Margins Delta_t: equal to a brute-force reference of full forwards; the robustness theorem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attacks.robust import NearestNeighbour
+from sipit.margins import distances_to_all, margins
+from sipit.models import load_model
+from sipit.whitebox import WhiteBox
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # 2 shared cores: oversubscribed intra-op threads make tiny-model steps ~20x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+def tiny(request):
+    lm = load_model(request.param)
+    return lm, WhiteBox(lm.model)
+
+
+def prompt(lm, n=5):
+    return lm.tokenizer("the quick brown fox jumps over", add_special_tokens=False).input_ids[:n]
+
+
+@pytest.mark.parametrize("layer", [2, -1])
+def test_margins_equal_bruteforce_full_forwards(tiny, layer):
+    lm, wb = tiny
+    ids = prompt(lm, 4)
+    m = margins(wb, ids, layer, chunk=100)  # chunk not dividing V exercises the ragged last chunk
+    assert m.delta.shape == (4,) and m.true_states.shape == (4, wb.d)
+    for t in range(len(ids)):
+        # Reference: one full (uncached, unbatched) forward per candidate prompt p_t + v.
+        ref = torch.stack([wb.states(ids[:t] + [v], layer)[-1] for v in range(wb.vocab_size)])
+        d = (ref - ref[ids[t]]).norm(dim=-1)
+        d[ids[t]] = float("inf")
+        assert float(m.delta[t]) == pytest.approx(float(d.min()), rel=1e-4, abs=1e-6)
+        # The competitor attains the minimum (ties within float noise are allowed).
+        assert float(d[int(m.competitor[t])]) == pytest.approx(float(d.min()), rel=1e-4, abs=1e-6)
+        assert int(m.competitor[t]) != ids[t]
+        torch.testing.assert_close(m.true_states[t], ref[ids[t]], rtol=1e-4, atol=1e-5)
+    assert m.to_dict()["delta"] == m.delta.tolist()
+
+
+def test_distances_to_all_does_not_depend_on_chunking(tiny):
+    lm, wb = tiny
+    ids = prompt(lm, 3)
+    prefix = wb.prefix_cache(ids, -1)
+    target = torch.randn(wb.d, generator=torch.Generator().manual_seed(0))
+    a = distances_to_all(wb, prefix, target, chunk=512)
+    b = distances_to_all(wb, prefix, target, chunk=77)
+    assert a.shape == (wb.vocab_size,)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError):
+        distances_to_all(wb, prefix, target, chunk=0)
+
+
+def test_theorem_is_tight_toward_the_nearest_competitor(tiny):
+    """Noise of norm 0.49 Delta toward the competitor is decoded correctly; 0.51 Delta is not."""
+    lm, wb = tiny
+    ids = prompt(lm, 4)
+    m = margins(wb, ids, -1)
+    for t in range(len(ids)):
+        prefix = wb.prefix_cache(ids[:t], -1)
+        direction = wb.step(prefix, m.competitor[t : t + 1]).states[0] - m.true_states[t]
+        direction = direction / direction.norm()
+        for scale, recovered in [(0.49, True), (0.51, False)]:
+            observed = m.true_states[t] + scale * float(m.delta[t]) * direction
+            dist = distances_to_all(wb, prefix, observed)
+            assert (int(dist.argmin()) == ids[t]) is recovered
+
+
+def test_theorem_holds_at_every_position_under_gaussian_noise(tiny):
+    """Every position with a correct decoded prefix and ||n_t|| < Delta_t / 2 is recovered by NN."""
+    lm, wb = tiny
+    ids = prompt(lm, 6)
+    m = margins(wb, ids, -1)
+    h = wb.states(ids, -1)
+    checked = violated = 0
+    generator = torch.Generator().manual_seed(1)
+    for sigma_rel in [0.05, 0.15, 0.3, 0.6]:  # sigma * sqrt(d) as a fraction of the mean Delta
+        sigma = sigma_rel * float(m.delta.mean()) / wb.d**0.5
+        noise = sigma * torch.randn(h.shape, generator=generator)
+        inv = NearestNeighbour(stop="exact", sigma=sigma).invert(h + noise, wb, -1)
+        for t in range(len(ids)):
+            prefix_ok = inv.ids[:t] == ids[:t]
+            # m.true_states and h differ by the cached-vs-full float gap; count it against the bound.
+            norm = float((h[t] + noise[t] - m.true_states[t]).norm())
+            if prefix_ok and norm < float(m.delta[t]) / 2:
+                checked += 1
+                violated += inv.ids[t] != ids[t]
+    assert checked >= 6
+    assert violated == 0

@@ -1,0 +1,127 @@
+"""Noise-robust decoders: exact at sigma 0, beam width 1 = greedy, beam+prior >= greedy under noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour, chi2_radius, implausible
+from sipit.models import load_model
+from sipit.whitebox import WhiteBox
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+def tiny(request):
+    lm = load_model(request.param)
+    return lm, WhiteBox(lm.model)
+
+
+def sampled_prompts(lm, n: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts drawn from the model's own distribution (so its prior is the true one)."""
+    torch.manual_seed(seed)
+    start = torch.full((n, 1), lm.model.config.bos_token_id or 0)
+    out = lm.model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=0,
+                            max_new_tokens=length, min_new_tokens=length, pad_token_id=0)
+    return out[:, 1:].tolist()
+
+
+def all_decoders(sigma: float):
+    return [
+        NearestNeighbour(stop="exact", sigma=sigma),
+        NearestNeighbour(stop="heuristic", sigma=sigma),
+        NearestNeighbour(stop="shortlist", sigma=sigma),
+        MapDecoder(sigma),
+        MapDecoder(sigma, exact=True),
+        BeamSipIt(sigma),
+        BeamSipIt(sigma, exact=True),
+    ]
+
+
+def test_sigma_zero_every_decoder_recovers_exactly(tiny):
+    lm, wb = tiny
+    ids = lm.tokenizer("def main(): return 0", add_special_tokens=False).input_ids[:8]
+    for layer in [1, -1]:
+        h = wb.states(ids, layer)
+        for decoder in all_decoders(0.0):
+            inv = decoder.invert(h, wb, layer, lm.tokenizer)
+            assert inv.ids == ids, decoder.name
+            assert inv.all_verified, decoder.name
+            assert all(r.radius > 0 for r in inv.positions)
+
+
+def test_beam_width_one_equals_greedy(tiny):
+    lm, wb = tiny
+    (ids,) = sampled_prompts(lm, 1, 8, seed=3)
+    h = wb.states(ids, -1)
+    sigma = 0.05
+    observed = h + sigma * torch.randn(h.shape, generator=torch.Generator().manual_seed(0))
+    for exact in [True, False]:
+        greedy_nn = NearestNeighbour(stop="exact" if exact else "shortlist", sigma=sigma).invert(observed, wb, -1)
+        beam_nn = BeamSipIt(sigma, width=1, prior=False, backtrack=False, exact=exact).invert(observed, wb, -1)
+        assert beam_nn.ids == greedy_nn.ids
+        greedy_map = MapDecoder(sigma, exact=exact).invert(observed, wb, -1)
+        beam_map = BeamSipIt(sigma, width=1, prior=True, backtrack=False, exact=exact).invert(observed, wb, -1)
+        assert beam_map.ids == greedy_map.ids
+    assert greedy_nn.ids != ids  # the noise is large enough to matter
+
+
+def test_beam_with_prior_recovers_at_least_as_many_tokens_as_greedy(tiny):
+    lm, wb = tiny
+    sigma = 0.05
+    greedy = beam = total = 0
+    for i, ids in enumerate(sampled_prompts(lm, 4, 8, seed=0)):
+        h = wb.states(ids, -1)
+        observed = h + sigma * torch.randn(h.shape, generator=torch.Generator().manual_seed(i))
+        g = NearestNeighbour(stop="exact", sigma=sigma).invert(observed, wb, -1)
+        b = BeamSipIt(sigma, width=4, prior=True, exact=True).invert(observed, wb, -1)
+        greedy += sum(a == s for a, s in zip(g.ids, ids))
+        beam += sum(a == s for a, s in zip(b.ids, ids))
+        total += len(ids)
+    assert greedy < total  # greedy makes errors at this sigma
+    assert beam >= greedy
+
+
+def test_backtracking_fires_on_an_implausible_step(tiny):
+    """A corrupted position makes every hypothesis implausible: the beam backtracks (and stays bounded)."""
+    lm, wb = tiny
+    ids = lm.tokenizer("print(x) if y", add_special_tokens=False).input_ids[:6]
+    h = wb.states(ids, -1).clone()
+    sigma = 1e-3
+    h[3] += 50 * sigma * math.sqrt(wb.d) * torch.nn.functional.normalize(torch.ones(wb.d), dim=0)
+    beam = BeamSipIt(sigma, width=2, exact=True, max_backtracks=3)
+    inv = beam.invert(h, wb, -1)
+    assert 1 <= beam.backtracks <= 3
+    assert len(inv.ids) == len(ids)
+    assert not inv.positions[3].verified
+    assert inv.ids[:3] == ids[:3]  # the best prefix survives an outlier at position 3
+
+
+def test_chi2_radius_covers_the_true_noise():
+    d, sigma, alpha = 64, 0.2, 0.01
+    radius = chi2_radius(sigma, d, alpha)
+    norms = (sigma * torch.randn(20000, d, generator=torch.Generator().manual_seed(0))).norm(dim=-1)
+    outside = float((norms > radius).float().mean())
+    assert abs(outside - alpha) < 0.004
+    assert implausible((2 * radius) ** 2, sigma, d, alpha)
+    assert not implausible((sigma**2) * d, sigma, d, alpha)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError):
+        NearestNeighbour(stop="sometimes")
+    with pytest.raises(ValueError):
+        MapDecoder(-1.0)
+    with pytest.raises(ValueError):
+        BeamSipIt(0.1, width=0)
+    with pytest.raises(ValueError):
+        BeamSipIt(0.1, alpha=1.5)

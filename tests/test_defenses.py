@@ -1,0 +1,276 @@
+"""Defences on the tiny models: each one's effect, validation, chains, utility, pooled attack."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from torch import nn
+
+from attacks.policies import GradientPolicy
+from attacks.sipit import SipIt
+from defenses import Chain, PooledExposureError, make_chain, make_defense, require_per_position
+from defenses.base import DefenseParamError
+from defenses.pooled_attack import PooledBeamAttack
+from defenses.utility import held_out_ids, utility_cost
+from sipit.models import load_model
+from sipit.whitebox import SipitInputError, WhiteBox
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_model("tiny-gpt2")
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------ noise
+def test_exposure_noise_matches_sigma_abs_and_rms(llama):
+    states = WhiteBox(llama.model).states(_ids(64), 2)
+    d = make_defense("noise", sigma=0.5, relative_to="abs", seed=3)
+    noise = d.expose(states) - states
+    assert abs(noise.std().item() - 0.5) < 0.02 and abs(noise.mean().item()) < 0.02
+    rel = make_defense("noise", sigma=0.1, relative_to="rms")
+    sigma = rel.noise_sigma(states)
+    assert sigma == pytest.approx(0.1 * states.pow(2).mean().sqrt().item(), rel=1e-5)
+    assert (rel.expose(states) - states).std().item() == pytest.approx(sigma, rel=0.05)
+    half = make_defense("noise", sigma=1.0, relative_to="delta", delta=0.4)
+    assert half.noise_sigma(states) == pytest.approx(0.2)
+
+
+def test_noise_seeded_and_secure(llama):
+    states = WhiteBox(llama.model).states(_ids(8), 1)
+    a = make_defense("noise", sigma=0.1, seed=7).expose(states)
+    b = make_defense("noise", sigma=0.1, seed=7).expose(states)
+    assert torch.equal(a, b)
+    secure = make_defense("noise", sigma=0.1, seed=7, secure=True)
+    assert not torch.equal(secure.expose(states), secure.expose(states))
+    assert not torch.equal(secure.expose(states), a)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_in_model_noise_reaches_later_layers(llama, layer):
+    ids = _ids(16)
+    d = make_defense("noise", sigma=0.2, relative_to="abs", placement="model")
+    served = d.serve(llama, layer)
+    assert served.model is not llama.model
+    clean_wb, served_wb = WhiteBox(llama.model), WhiteBox(served.model)
+    diff = served_wb.states(ids, layer) - clean_wb.states(ids, layer)
+    assert diff.std().item() == pytest.approx(0.2, rel=0.1)
+    assert not torch.allclose(served_wb.states(ids, 4), clean_wb.states(ids, 4))
+    assert torch.equal(d.expose(diff), diff)  # exposure adds nothing more
+    # the clean model is untouched
+    assert torch.equal(clean_wb.states(ids, layer), WhiteBox(llama.model).states(ids, layer))
+
+
+# ------------------------------------------------------------------------------------ params
+@pytest.mark.parametrize(
+    "name, params, match",
+    [
+        ("noise", {"sigma": -1}, "sigma"),
+        ("noise", {"sigma": float("nan")}, "sigma"),
+        ("noise", {"relative_to": "delta"}, "delta"),
+        ("noise", {"placement": "head"}, "placement"),
+        ("quant", {"weights": "int4"}, "weights"),
+        ("quant", {"weights": "none"}, "nothing"),
+        ("quant", {"blocksize": 100}, "blocksize"),
+        ("tying", {}, "exactly one"),
+        ("tying", {"groups": 0}, "groups"),
+        ("pooling", {"over": "window"}, "needs k"),
+        ("pooling", {"mode": "median"}, "mode"),
+        ("pooling", {"k": 2}, "only used"),
+        ("noise", {"bogus": 1}, "no parameter"),
+    ],
+)
+def test_bad_params_raise_clear_errors(name, params, match):
+    with pytest.raises(ValueError, match=match):
+        make_defense(name, **params)
+
+
+def test_unknown_defence_lists_choices():
+    with pytest.raises(ValueError, match="noise.*pooling|pooling.*noise"):
+        make_defense("dropout")
+    with pytest.raises(ValueError, match="groups"):
+        make_chain("quant,noise", groups=3)
+
+
+# ------------------------------------------------------------------------------------ quant
+@pytest.mark.parametrize("kind, module, dtype, bound", [
+    ("int8", bnb.nn.Linear8bitLt, torch.int8, 0.05),
+    ("nf4", bnb.nn.Linear4bit, torch.uint8, 0.4),
+    ("fp4", bnb.nn.Linear4bit, torch.uint8, 0.5),
+])
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2"])
+def test_quantised_weights_are_bnb_modules(model_name, kind, module, dtype, bound, llama, gpt2):
+    loaded = llama if model_name == "tiny-llama" else gpt2
+    served = make_defense("quant", weights=kind).serve(loaded, 2)
+    wb = WhiteBox(served.model)
+    quantised = [m for b in wb.blocks for m in b.modules() if isinstance(m, module)]
+    plain = [m for b in wb.blocks for m in b.modules()
+             if (isinstance(m, nn.Linear) and not isinstance(m, module)) or type(m).__name__ == "Conv1D"]
+    assert len(quantised) == (7 if model_name == "tiny-llama" else 4) * 4 and not plain
+    assert all(m.weight.dtype == dtype for m in quantised)
+    # embeddings and head untouched, fp32
+    assert torch.equal(served.model.get_input_embeddings().weight, loaded.model.get_input_embeddings().weight)
+    assert served.model.get_output_embeddings().weight.dtype == torch.float32
+    ids = _ids(32)
+    clean, quant = WhiteBox(loaded.model).states(ids, 4), wb.states(ids, 4)
+    rel = ((quant - clean).norm() / clean.norm()).item()
+    assert 0 < rel < bound
+
+
+def test_int8_is_batch_independent(llama):
+    served = make_defense("quant", weights="int8").serve(llama, 3)
+    wb = WhiteBox(served.model)
+    ids = _ids(6)
+    prefix = wb.prefix_cache(ids[:5], 3)
+    alone = wb.step(prefix, ids[5:6]).states[0]
+    for seed in range(3):
+        others = _ids(63, seed + 10)
+        batch = torch.cat([others[:20], ids[5:6], others[20:]])
+        assert torch.equal(wb.step(prefix, batch).states[20], alone)
+    assert torch.allclose(wb.states(ids, 3)[5], alone, rtol=0, atol=1e-4 * alone.norm().item())
+
+
+def test_activation_quantisation_error(llama):
+    states = WhiteBox(llama.model).states(_ids(32), 4)
+    errors = {}
+    for kind in ["int8", "nf4", "fp4"]:
+        d = make_defense("quant", weights="none", activations=kind)
+        out = d.expose(states)
+        assert out.shape == states.shape and out.dtype == states.dtype
+        errors[kind] = ((out - states).norm() / states.norm()).item()
+        assert d.serve(llama, 4) is llama
+    assert 0 < errors["int8"] < 0.03 < errors["nf4"] < 0.2
+
+
+def test_sipit_recovers_exactly_with_same_quantised_model(llama):
+    d = make_defense("quant", weights="nf4")
+    served = d.serve(llama, 2)
+    attacker = d.attacker_model(llama, 2, knows_defense=True)
+    assert attacker is served and d.attacker_model(llama, 2, knows_defense=False) is llama
+    ids = _ids(6, 5)
+    observed = d.expose(WhiteBox(served.model).states(ids, 2))
+    inv = SipIt(GradientPolicy()).invert(observed, WhiteBox(attacker.model), 2, llama.tokenizer)
+    assert inv.ids == ids.tolist() and inv.all_verified
+
+
+# ------------------------------------------------------------------------------------ tying
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2"])
+def test_tied_tokens_produce_identical_states(model_name, llama, gpt2):
+    loaded = llama if model_name == "tiny-llama" else gpt2
+    d = make_defense("tying", groups=64)
+    served = d.serve(loaded, 2)
+    groups = d.groups()
+    assert groups.shape == (512,) and groups.unique().numel() <= 64
+    members = next(m for m in d.group_members().values() if len(m) >= 2)
+    wb = WhiteBox(served.model)
+    prefix = wb.prefix_cache(_ids(4), 3)
+    states = wb.step(prefix, torch.tensor(members[:2])).states
+    assert torch.equal(states[0], states[1])
+    # the head keeps the original (untied) matrix; the clean model is unchanged
+    head = served.model.get_output_embeddings().weight
+    assert head.data_ptr() != served.model.get_input_embeddings().weight.data_ptr()
+    assert torch.equal(head, loaded.model.get_output_embeddings().weight)
+    clean_wb = WhiteBox(loaded.model)
+    assert not torch.equal(clean_wb.step(clean_wb.prefix_cache(_ids(4), 3), torch.tensor(members[:2])).states[0],
+                           clean_wb.step(clean_wb.prefix_cache(_ids(4), 3), torch.tensor(members[:2])).states[1])
+
+
+def test_rare_tying_maps_rare_to_frequent(llama):
+    from defenses.utility import token_counts
+
+    d = make_defense("tying", rare=100)
+    served = d.serve(llama, 1)
+    rep = d.groups()
+    moved = (rep != torch.arange(512)).nonzero().flatten()
+    assert 0 < moved.numel() <= 100
+    counts = token_counts(llama.tokenizer, 512)
+    assert counts[moved].max() <= counts[rep[moved]].min()  # rare ones point at frequent ones
+    emb = served.model.get_input_embeddings().weight
+    assert torch.equal(emb[moved], emb[rep[moved]])
+
+
+# ------------------------------------------------------------------------------------ pooling
+def test_pooled_shapes_and_sipit_refuses(llama):
+    wb = WhiteBox(llama.model)
+    states = wb.states(_ids(7), 2)
+    shapes = {
+        ("mean", "all", None, None): (1, 1, 64),
+        ("max", "window", 2, None): (1, 4, 64),
+        ("mean", "window", 1, None): (1, 7, 64),
+        ("mean", "dims", None, 8): (1, 7, 8),
+    }
+    for (mode, over, k, g), shape in shapes.items():
+        d = make_defense("pooling", mode=mode, over=over, k=k, g=g)
+        pooled = d.expose(states)
+        assert tuple(pooled.shape) == shape and not d.per_position
+        with pytest.raises(SipitInputError, match="shape"):
+            SipIt(GradientPolicy()).invert(pooled, wb, 2, llama.tokenizer)
+        with pytest.raises(PooledExposureError, match="PooledBeamAttack"):
+            require_per_position(d, "SipIt")
+    mean2 = make_defense("pooling", over="window", k=2).expose(states)
+    assert torch.allclose(mean2[0, 0], states[:2].mean(0)) and torch.allclose(mean2[0, 3], states[6])
+    with pytest.raises(ValueError, match="divide"):
+        make_defense("pooling", over="dims", g=5).expose(states)
+
+
+@pytest.mark.parametrize("params, length", [
+    ({"over": "window", "k": 1}, 4), ({"over": "window", "k": 2}, 4), ({"over": "window", "k": 2}, None),
+    ({"over": "dims", "g": 4}, None),
+])
+def test_pooled_attack_recovers_short_prompts(llama, params, length):
+    wb = WhiteBox(llama.model)
+    ids = _ids(4, 2)
+    d = make_defense("pooling", **params)
+    inv = PooledBeamAttack(d, beam=4).invert(d.expose(wb.states(ids, 2)), wb, 2, llama.tokenizer, length=length)
+    assert inv.ids == ids.tolist() and inv.all_verified
+
+
+def test_pooled_attack_mean_over_all_fits_better_than_chance(gpt2):
+    wb = WhiteBox(gpt2.model)
+    ids = _ids(4, 3)
+    d = make_defense("pooling", over="all")
+    target = d.expose(wb.states(ids, 2))
+    inv = PooledBeamAttack(d, beam=4).invert(target, wb, 2, gpt2.tokenizer, length=4)
+    assert len(inv.ids) == 4
+    fit = (d.expose(wb.states(inv.ids, 2)) - target).norm().item()
+    random_fits = [(d.expose(wb.states(_ids(4, 100 + s), 2)) - target).norm().item() for s in range(5)]
+    assert fit == pytest.approx(inv.positions[0].distance, rel=1e-3, abs=1e-4)
+    assert fit < 0.5 * min(random_fits)
+
+
+# ------------------------------------------------------------------------------------ chains + utility
+def test_chain_quant_then_noise(llama):
+    chain = make_chain("quant,noise", weights="int8", sigma=0.05, seed=1)
+    assert isinstance(chain, Chain) and [m.name for m in chain.members] == ["quant", "noise"]
+    served = chain.serve(llama, 2)
+    assert any(isinstance(m, bnb.nn.Linear8bitLt) for m in served.model.modules())
+    states = WhiteBox(served.model).states(_ids(32), 2)
+    assert (chain.expose(states) - states).std().item() == pytest.approx(chain.noise_sigma(states), rel=0.1)
+    assert chain.attacker_model(llama, 2) is served
+    assert chain.per_position and "chain" in chain.describe()
+    with pytest.raises(ValueError, match="last"):
+        make_chain("pooling,noise")
+    assert not make_chain(["noise", "pooling"]).per_position
+    assert make_chain("noise").name == "noise"
+
+
+def test_utility_cost(llama):
+    clean = utility_cost(llama, make_defense("none"), 2, n_tokens=256)
+    assert clean.ppl_rel_increase == 0 and clean.top1_agreement == 1 and clean.state_rel_l2 == 0
+    noisy = utility_cost(llama, make_defense("noise", sigma=0.1), 2, n_tokens=256)
+    assert noisy.ppl_served == clean.ppl_served and noisy.state_rel_l2 == pytest.approx(0.1, rel=0.1)
+    inmodel = utility_cost(llama, make_defense("noise", sigma=1.0, placement="model"), 2, n_tokens=256)
+    assert inmodel.ppl_served != clean.ppl_served and inmodel.top1_agreement < 1
+    pooled = utility_cost(llama, make_defense("pooling", over="window", k=4), 2, n_tokens=256)
+    assert pooled.state_rel_l2 is None and pooled.exposure_shape == [1, 64, 64]
+    assert torch.equal(held_out_ids(llama.tokenizer, 256, 0), held_out_ids(llama.tokenizer, 256, 0))
+    assert set(clean.to_dict()) >= {"ppl_clean", "ppl_served", "top1_agreement", "state_cosine"}

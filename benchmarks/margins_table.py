@@ -1,0 +1,128 @@
+"""Margins Delta_t per layer on a few positions, and the margin / plain-forward speed ratio.
+
+    python -m benchmarks.margins_table --model smollm2-135m --layers first,middle,last \
+        --n-prompts 1 --positions 3 --out runs/margins
+
+Delta_t is exact (full vocabulary, sipit.margins.margins) at the first ``--positions`` positions
+of each prompt. Speed: at the measured positions the full-vocabulary margin costs T*V candidate
+steps; it is compared with (a) ``WhiteBox.step`` of the same candidates without distances and
+(b) a plain batched full forward (``WhiteBox.states`` semantics, no cache) of an equal number of
+tokens, arranged as V/(t+1) sequences of length t+1 so each token attends over as many positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sipit.margins import distances_to_all, margins
+from sipit.models import DEFAULT_MODEL, load_model
+from sipit.whitebox import WhiteBox
+
+
+def named_layers(spec: str, n_layers: int) -> list[int]:
+    names = {"first": 1, "middle": n_layers // 2, "last": n_layers}
+    return [names[x] if x in names else int(x) for x in spec.split(",")]
+
+
+def load_ids(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """benchmarks.prompts.load_prompts when present, else built-in sentences."""
+    try:
+        from benchmarks.prompts import load_prompts
+
+        return load_prompts(tokenizer, n, length=length, seed=seed)
+    except ImportError:
+        texts = ["The cat sat quietly on the warm windowsill while the rain fell outside the old house.",
+                 "In 1905 Albert Einstein published four papers that changed physics for the next century.",
+                 "def add(a, b):\n    return a + b  # a small helper used in the unit tests below"]
+        return [tokenizer(texts[i % len(texts)], add_special_tokens=False).input_ids[:length] for i in range(n)]
+
+
+@torch.no_grad()
+def speed_ratio(wb: WhiteBox, ids: list[int], layer: int, chunk: int = 1024) -> dict:
+    """Seconds for one position's full-vocabulary margin vs a plain step vs a plain full forward."""
+    t = len(ids) - 1
+    prefix = wb.prefix_cache(ids[:t], layer)
+    # Margin at position t on the cached prefix (the work margins() does per position).
+    started = time.perf_counter()
+    true_state = wb.step(prefix, torch.tensor([ids[t]])).states[0]
+    distances_to_all(wb, prefix, true_state, chunk=chunk)
+    margin_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for c in torch.arange(wb.vocab_size).split(chunk):
+        wb.step(prefix, c)
+    step_s = time.perf_counter() - started
+    # Plain forward: V tokens as sequences of length t+1 (batches of ~chunk tokens).
+    seq = t + 1
+    n_seq = wb.vocab_size // seq
+    per_batch = max(1, chunk // seq)
+    layer = wb.resolve_layer(layer)
+    g = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    for i in range(0, n_seq, per_batch):
+        b = min(per_batch, n_seq - i)
+        batch_ids = torch.randint(0, wb.vocab_size, (b, seq), generator=g)
+        wb._forward_to(wb.embed(batch_ids), layer, 0, None)
+    forward_s = (time.perf_counter() - started) * wb.vocab_size / (n_seq * seq)
+    return {"position": t, "layer": layer, "tokens": wb.vocab_size, "margin_s": margin_s, "step_s": step_s,
+            "forward_s": forward_s, "margin_over_step": margin_s / step_s, "margin_over_forward": margin_s / forward_s}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--layers", default="first,middle,last")
+    ap.add_argument("--n-prompts", type=int, default=1)
+    ap.add_argument("--positions", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--speed", action="store_true", help="also measure the margin/forward speed ratio")
+    ap.add_argument("--out", default="runs/margins")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    wb = WhiteBox(lm.model)
+    prompts = [p[: args.positions] for p in load_ids(lm.tokenizer, args.n_prompts, args.positions)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, speeds = [], []
+    for layer in named_layers(args.layers, wb.n_layers):
+        started = time.perf_counter()
+        ms = [margins(wb, ids, layer, chunk=args.chunk) for ids in prompts]
+        secs = time.perf_counter() - started
+        deltas = torch.cat([m.delta for m in ms])
+        norms = torch.cat([m.true_states.norm(dim=-1) for m in ms])
+        rows.append({"layer": layer, "positions": int(deltas.numel()), "delta_min": float(deltas.min()),
+                     "delta_median": float(deltas.median()), "delta_max": float(deltas.max()),
+                     "rel_delta_median": float((deltas / norms).median()), "state_norm_median": float(norms.median()),
+                     "seconds_per_position": secs / deltas.numel(),
+                     "per_prompt": [m.to_dict() for m in ms]})
+        print(f"layer {layer:2d}: Delta min {deltas.min():.4g} median {deltas.median():.4g} max {deltas.max():.4g}"
+              f"  (||h|| median {norms.median():.4g}; {secs / deltas.numel():.1f} s/position)", flush=True)
+        if args.speed:
+            speeds.append(speed_ratio(wb, prompts[0], layer, args.chunk))
+            print("  speed:", {k: round(v, 3) if isinstance(v, float) else v for k, v in speeds[-1].items()}, flush=True)
+    (out / "margins.json").write_text(json.dumps({"model": args.model, "rows": rows, "speed": speeds,
+                                                  "threads": torch.get_num_threads()}, indent=1))
+    lines = ["| layer | positions | Delta min | Delta median | Delta max | Delta/||h|| median | s/position |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['positions']} | {r['delta_min']:.4g} | {r['delta_median']:.4g} | "
+                     f"{r['delta_max']:.4g} | {r['rel_delta_median']:.3g} | {r['seconds_per_position']:.1f} |")
+    if speeds:
+        lines += ["", "| layer | margin s | step-only s | plain forward s | margin/step | margin/forward |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {s['layer']} | {s['margin_s']:.2f} | {s['step_s']:.2f} | {s['forward_s']:.2f} | "
+                  f"{s['margin_over_step']:.2f} | {s['margin_over_forward']:.2f} |" for s in speeds]
+    (out / "margins.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

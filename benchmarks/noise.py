@@ -1,0 +1,280 @@
+"""Recovery under Gaussian noise versus the margin Delta/2 and versus sigma.
+
+    python -m benchmarks.noise --model smollm2-135m --layer 15 --sigmas 0.5,1,2,4 \
+        --n-prompts 20 --length 8 --exact-prompts 1 --exact-positions 4 --out runs/noise-l15
+
+Two parts, both with isotropic noise n ~ N(0, sigma^2 I_d) added to the full-forward states h:
+
+A. EXACT, teacher-forced (first ``--exact-prompts`` prompts, first ``--exact-positions``
+   positions each): on the TRUE prefix every token's state mu_{p_t,v} is computed (full
+   vocabulary, chunked), giving Delta_t exactly, and for each sigma and each of ``--draws`` noise
+   draws the exact nearest neighbour and the exact MAP token (prior = the model's next-token
+   distribution on the true prefix). The theorem is asserted here: whenever
+   ||h~_t - mu_{p_t,s_t}|| < Delta_t / 2 the exact NN must return s_t (a violation raises).
+B. FREE-RUNNING decoders on ``--n-prompts`` prompts: greedy NN (shortlist), NN with the heuristic
+   chi2 stop, MAP and beam+prior (attacks.robust, all on the same heuristic shortlist), one noise
+   draw per (prompt, sigma) shared by every decoder. Reported: token accuracy, exact recovery,
+   how often the true token was outside greedy's shortlist (at positions whose decoded prefix was
+   correct), how often the heuristic stop accepted a wrong token inside the noise radius.
+
+Where Delta_t is known (part A positions), part B positions also get ||n_t|| / (Delta_t / 2).
+Outputs: ``noise.json`` (every position record), ``noise.md`` (tables), ``noise.png`` (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour
+from benchmarks.margins_table import load_ids
+from sipit.margins import _chunks
+from sipit.models import DEFAULT_MODEL, load_model
+from sipit.prior import NextTokenPrior
+from sipit.whitebox import WhiteBox
+
+RATIO_BINS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, math.inf]
+
+
+@torch.no_grad()
+def all_states(wb: WhiteBox, prefix, chunk: int) -> torch.Tensor:
+    """mu_{p,v} for every v, ``(V, d)``."""
+    return torch.cat([wb.step(prefix, c).states for c in _chunks(wb.vocab_size, chunk, wb.device)])
+
+
+@torch.no_grad()
+def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> list[dict]:
+    """Part A: exact Delta_t, exact NN and MAP on the true prefix, theorem asserted."""
+    rows = []
+    g = torch.Generator().manual_seed(seed + 1)
+    for p, ids in enumerate(prompts):
+        h = wb.states(ids, layer)
+        prefix = wb.prefix_cache([], layer)
+        prior = NextTokenPrior(wb.model)
+        for t in range(min(positions, len(ids))):
+            s = ids[t]
+            mu = all_states(wb, prefix, chunk)
+            d_true = (mu - mu[s]).norm(dim=-1)
+            d_true[s] = math.inf
+            delta, competitor = float(d_true.min()), int(d_true.argmin())
+            logp = prior.logprobs.double() if prior.logprobs is not None else torch.zeros(wb.vocab_size, dtype=torch.float64)
+            for sigma in sigmas:
+                for k in range(draws):
+                    observed = h[t] + sigma * torch.randn(wb.d, generator=g)
+                    dist = (mu - observed).norm(dim=-1)
+                    noise = float(dist[s])  # ||h~_t - mu_{p_t,s_t}||: the noise plus the float gap
+                    nn = int(dist.argmin())
+                    if sigma > 0:
+                        mp = int((dist.double() ** 2 / (2 * sigma**2) - logp).argmin())
+                    else:
+                        mp = nn
+                    if noise < delta / 2 and nn != s:
+                        raise AssertionError(f"theorem violated: prompt {p} position {t} ||n||={noise} "
+                                             f"Delta/2={delta / 2} decoded {nn} true {s}")
+                    rows.append({"prompt": p, "position": t, "sigma": sigma, "draw": k, "delta": delta,
+                                 "competitor": competitor, "noise": noise, "ratio": noise / (delta / 2),
+                                 "noise_over_sigma_sqrt_d": noise / (sigma * math.sqrt(wb.d)) if sigma else 0.0,
+                                 "nn_exact": nn == s, "map_exact": mp == s})
+            prefix = wb.extend(prefix, s)
+            prior.push(s)
+            print(f"  exact: prompt {p} position {t} Delta={delta:.4g}", flush=True)
+    return rows
+
+
+def decoders(sigma: float, args) -> list:
+    kw = dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds)
+    return [NearestNeighbour(stop="shortlist", sigma=sigma, **kw),
+            NearestNeighbour(stop="heuristic", sigma=sigma, max_candidates=args.k_prior + args.rounds * args.k_grad),
+            MapDecoder(sigma, **kw),
+            BeamSipIt(sigma, width=args.width, prior=True, backtrack=True, **kw)]
+
+
+def free_part(wb, prompts, layer, sigmas, args, deltas: dict) -> list[dict]:
+    """Part B: free-running decoders, one shared noise draw per (prompt, sigma)."""
+    rows = []
+    for si, sigma in enumerate(sigmas):
+        started = time.perf_counter()
+        for p, ids in enumerate(prompts):
+            h = wb.states(ids, layer)
+            g = torch.Generator().manual_seed(args.seed * 1000 + si * 100 + p)
+            noise = sigma * torch.randn(h.shape, generator=g)
+            for dec in decoders(sigma, args):
+                inv = dec.invert(h + noise, wb, layer)
+                cands = getattr(dec, "last_candidates", None)
+                for t, rec in enumerate(inv.positions):
+                    prefix_ok = inv.ids[:t] == ids[:t]
+                    delta = deltas.get((p, t))
+                    n_norm = float(noise[t].norm())
+                    rows.append({"decoder": dec.name, "sigma": sigma, "prompt": p, "position": t,
+                                 "token": rec.token, "true": ids[t], "correct": rec.token == ids[t],
+                                 "prefix_correct": prefix_ok, "noise": n_norm,
+                                 "ratio": n_norm / (delta / 2) if delta else None,
+                                 "in_radius": rec.verified, "candidates": rec.candidates_tried,
+                                 "in_shortlist": bool((cands[t] == ids[t]).any()) if cands and prefix_ok else None,
+                                 "seconds": rec.seconds})
+        print(f"  free: sigma={sigma} done in {time.perf_counter() - started:.0f} s", flush=True)
+    return rows
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarise(exact_rows, free_rows, sigmas, d) -> dict:
+    names = sorted({r["decoder"] for r in free_rows}, key=["nn-shortlist", "nn-heuristic", "map", "beam"].index)
+    by_sigma = {}
+    for sigma in sigmas:
+        row = {"sigma": sigma, "sigma_sqrt_d": sigma * math.sqrt(d)}
+        for name in names:
+            rs = [r for r in free_rows if r["decoder"] == name and r["sigma"] == sigma]
+            row[name] = _mean(r["correct"] for r in rs)
+            row[name + "_exact_prompts"] = _mean(
+                all(r["correct"] for r in rs if r["prompt"] == p) for p in {r["prompt"] for r in rs})
+        ex = [r for r in exact_rows if r["sigma"] == sigma]
+        row["nn_exact_tf"] = _mean(r["nn_exact"] for r in ex)
+        row["map_exact_tf"] = _mean(r["map_exact"] for r in ex)
+        sl = [r["in_shortlist"] for r in free_rows if r["decoder"] == "nn-shortlist" and r["sigma"] == sigma
+              and r["in_shortlist"] is not None]
+        row["true_outside_shortlist"] = 1 - _mean(sl) if sl else float("nan")
+        he = [r for r in free_rows if r["decoder"] == "nn-heuristic" and r["sigma"] == sigma and r["prefix_correct"]]
+        row["heuristic_wrong_stop"] = _mean(r["in_radius"] and not r["correct"] for r in he)
+        by_sigma[sigma] = row
+    by_ratio = []
+    for lo, hi in zip(RATIO_BINS[:-1], RATIO_BINS[1:]):
+        ex = [r for r in exact_rows if lo <= r["ratio"] < hi and r["sigma"] > 0]
+        entry = {"lo": lo, "hi": hi, "n_exact": len(ex), "nn_exact_tf": _mean(r["nn_exact"] for r in ex),
+                 "map_exact_tf": _mean(r["map_exact"] for r in ex)}
+        for name in names:
+            rs = [r for r in free_rows if r["decoder"] == name and r["ratio"] is not None and r["sigma"] > 0
+                  and lo <= r["ratio"] < hi]
+            entry[name] = _mean(r["correct"] for r in rs)
+            entry["n_" + name] = len(rs)
+        by_ratio.append(entry)
+    # Where exact NN collapses (< 50%) in units of Delta/2, and the sigma where greedy drops to 50%.
+    collapse = next((b for b in by_ratio if b["n_exact"] and b["nn_exact_tf"] < 0.5), None)
+    greedy50 = None
+    curve = [(s, by_sigma[s]["nn-shortlist"]) for s in sigmas]
+    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
+        if a0 >= 0.5 > a1:
+            s50 = s0 + (a0 - 0.5) / (a0 - a1) * (s1 - s0)
+            b0, b1 = by_sigma[s0]["beam"], by_sigma[s1]["beam"]
+            greedy50 = {"sigma": s50, "sigma_sqrt_d": s50 * math.sqrt(d), "bracket": [s0, s1],
+                        "beam_interpolated": b0 + (s50 - s0) / (s1 - s0) * (b1 - b0),
+                        "map_interpolated": by_sigma[s0]["map"] + (s50 - s0) / (s1 - s0) * (by_sigma[s1]["map"] - by_sigma[s0]["map"])}
+            break
+    return {"decoders": names, "by_sigma": list(by_sigma.values()), "by_ratio": by_ratio,
+            "nn_collapse_bin": collapse, "greedy_50": greedy50}
+
+
+def markdown(summary, meta) -> str:
+    names = summary["decoders"]
+    lines = [f"model {meta['model']}, layer {meta['layer']}, d={meta['d']}, {meta['n_prompts']} prompts x "
+             f"{meta['length']} tokens (free-running); exact part: {meta['exact_positions_total']} positions x "
+             f"{meta['draws']} draws per sigma", "",
+             "| sigma | sigma*sqrt(d) | " + " | ".join(names) + " | beam exact-prompt | exact NN (TF) | exact MAP (TF) "
+             "| true outside shortlist | heuristic wrong stop |",
+             "|---" * (len(names) + 7) + "|"]
+    for r in summary["by_sigma"]:
+        lines.append(f"| {r['sigma']:g} | {r['sigma_sqrt_d']:.3g} | " + " | ".join(f"{r[n]:.3f}" for n in names)
+                     + f" | {r['beam_exact_prompts']:.2f} | {r['nn_exact_tf']:.3f} | {r['map_exact_tf']:.3f} | "
+                     f"{r['true_outside_shortlist']:.3f} | {r['heuristic_wrong_stop']:.3f} |")
+    lines += ["", "Recovery by ||n|| / (Delta/2) (TF = teacher-forced exact; others free-running, n in brackets)", "",
+              "| ratio bin | n exact | exact NN (TF) | exact MAP (TF) | " + " | ".join(names) + " |",
+              "|---" * (len(names) + 4) + "|"]
+    for b in summary["by_ratio"]:
+        if not b["n_exact"] and not any(b["n_" + n] for n in names):
+            continue
+        cells = " | ".join(f"{b[n]:.2f} ({b['n_' + n]})" if b["n_" + n] else "-" for n in names)
+        lines.append(f"| [{b['lo']:g}, {b['hi']:g}) | {b['n_exact']} | {b['nn_exact_tf']:.2f} | {b['map_exact_tf']:.2f} | {cells} |")
+    lines += ["", f"exact-NN collapse bin (<50%): {summary['nn_collapse_bin']}", f"greedy 50%: {summary['greedy_50']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    bins = [x for x in summary["by_ratio"] if x["n_exact"]]
+    mids = [(x["lo"] + min(x["hi"], 2 * x["lo"] + 1)) / 2 for x in bins]
+    a.plot(mids, [x["nn_exact_tf"] for x in bins], "o-", label="exact NN (teacher-forced)")
+    a.plot(mids, [x["map_exact_tf"] for x in bins], "s-", label="exact MAP (teacher-forced)")
+    for name in summary["decoders"]:
+        pts = [(m, x[name]) for m, x in zip(mids, bins) if x["n_" + name]]
+        if pts:
+            a.plot(*zip(*pts), ".--", label=name + " (free-running)")
+    a.axvline(1.0, color="grey", lw=0.8)
+    a.set_xscale("symlog", linthresh=1)
+    a.set_xlabel("||n|| / (Delta/2)")
+    a.set_ylabel("token recovery")
+    a.legend(fontsize=7)
+    sig = [r["sigma"] for r in summary["by_sigma"]]
+    for name in summary["decoders"]:
+        b.plot(sig, [r[name] for r in summary["by_sigma"]], "o-", label=name)
+    b.plot(sig, [r["nn_exact_tf"] for r in summary["by_sigma"]], "k:", label="exact NN (TF)")
+    b.set_xscale("symlog", linthresh=min(s for s in sig if s > 0) if any(sig) else 1)
+    b.set_xlabel("sigma (absolute, per coordinate)")
+    b.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(model: str, layer: int, sigmas: list[float], args) -> dict:
+    lm = load_model(model)
+    wb = WhiteBox(lm.model)
+    layer = wb.resolve_layer(layer)
+    prompts = load_ids(lm.tokenizer, args.n_prompts, args.length, seed=args.seed)
+    exact_rows = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws, args.exact_positions,
+                            args.chunk, args.seed)
+    deltas = {(r["prompt"], r["position"]): r["delta"] for r in exact_rows}
+    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas)
+    summary = summarise(exact_rows, free_rows, sigmas, wb.d)
+    meta = {"model": model, "layer": layer, "d": wb.d, "n_prompts": len(prompts), "length": args.length,
+            "draws": args.draws, "exact_positions_total": len({(r["prompt"], r["position"]) for r in exact_rows}),
+            "args": vars(args), "threads": torch.get_num_threads()}
+    return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--layer", type=int, default=-1)
+    ap.add_argument("--sigmas", default="0,0.5,1,2")
+    ap.add_argument("--n-prompts", type=int, default=20)
+    ap.add_argument("--length", type=int, default=8)
+    ap.add_argument("--exact-prompts", type=int, default=1)
+    ap.add_argument("--exact-positions", type=int, default=4)
+    ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--k-prior", type=int, default=32)
+    ap.add_argument("--k-grad", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="runs/noise")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sigmas = [float(s) for s in args.sigmas.split(",")]
+    result = run(args.model, args.layer, sigmas, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "noise.json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result["summary"], result["meta"])
+    (out / "noise.md").write_text(md)
+    plot(result["summary"], out / "noise.png", f"{args.model} layer {result['meta']['layer']}")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

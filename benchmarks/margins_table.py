@@ -2,6 +2,7 @@
 
     python -m benchmarks.margins_table --model smollm2-135m --layers first,middle,last \
         --n-prompts 1 --positions 3 --out runs/margins
+    python -m benchmarks.margins_table --model smollm2-135m --audit-prompts 50 --positions 0  # Table 1
 
 Delta_t is exact (full vocabulary, sipit.margins.margins) at the first ``--positions`` positions
 of each prompt. Speed: at the measured positions the full-vocabulary margin costs T*V candidate
@@ -16,10 +17,12 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from sipit.audit import audit, table
 from sipit.margins import distances_to_all, margins
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.whitebox import WhiteBox
@@ -82,6 +85,9 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--speed", action="store_true", help="also measure the margin/forward speed ratio")
+    ap.add_argument("--audit-prompts", type=int, default=0, help="collision audit over this many prompts")
+    ap.add_argument("--audit-length", type=int, default=12)
+    ap.add_argument("--audit-pairs", type=int, default=1, help="closest pairs extended by every token")
     ap.add_argument("--out", default="runs/margins")
     args = ap.parse_args(argv)
     if args.threads:
@@ -92,7 +98,13 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, speeds = [], []
-    for layer in named_layers(args.layers, wb.n_layers):
+    if args.audit_prompts:
+        audit_prompts = load_ids(lm.tokenizer, args.audit_prompts, args.audit_length)
+        arows = audit(wb, audit_prompts, named_layers(args.layers, wb.n_layers), pairs=args.audit_pairs, chunk=args.chunk)
+        (out / "audit.json").write_text(json.dumps([asdict(r) for r in arows], indent=1))
+        (out / "audit.md").write_text(table(args.model, arows))
+        print(table(args.model, arows), flush=True)
+    for layer in named_layers(args.layers, wb.n_layers) if args.positions > 0 else []:
         started = time.perf_counter()
         ms = [margins(wb, ids, layer, chunk=args.chunk) for ids in prompts]
         secs = time.perf_counter() - started

@@ -98,3 +98,20 @@ def test_theorem_holds_at_every_position_under_gaussian_noise(tiny):
                 violated += inv.ids[t] != ids[t]
     assert checked >= 6
     assert violated == 0
+
+
+def test_collision_audit_matches_direct_pairwise_and_extension(tiny):
+    from sipit.audit import audit, extension_min
+
+    lm, wb = tiny
+    texts = ["the cat", "the dog", "a cat sat", "the cat"]  # a duplicate prompt is audited once
+    prompts = [lm.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    (row,) = audit(wb, prompts, [-1], pairs=1, chunk=128)
+    assert row.n_prompts == 3
+    last = [wb.states(p, -1)[-1] for p in prompts[:3]]
+    direct = min(float((last[i] - last[j]).norm()) for i in range(3) for j in range(i + 1, 3))
+    assert row.min_distance == pytest.approx(direct, rel=1e-5)
+    a, b = (prompts[k] for k in row.closest_pair)
+    ext = min(float((wb.states(a + [v], -1)[-1] - wb.states(b + [v], -1)[-1]).norm()) for v in range(wb.vocab_size))
+    assert row.extension_min == pytest.approx(ext, rel=1e-3, abs=1e-6)
+    assert extension_min(wb, a, b, -1)[0] == pytest.approx(row.extension_min, rel=1e-4)

@@ -94,7 +94,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     wb = WhiteBox(lm.model)
-    prompts = [p[: args.positions] for p in load_ids(lm.tokenizer, args.n_prompts, args.positions)]
+    prompts = [p[: args.positions] for p in load_ids(lm.tokenizer, args.n_prompts, args.positions)] if args.positions > 0 else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, speeds = [], []

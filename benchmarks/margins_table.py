@@ -51,6 +51,7 @@ def speed_ratio(wb: WhiteBox, ids: list[int], layer: int, chunk: int = 1024) -> 
     """Seconds for one position's full-vocabulary margin vs a plain step vs a plain full forward."""
     t = len(ids) - 1
     prefix = wb.prefix_cache(ids[:t], layer)
+    wb.step(prefix, torch.arange(min(chunk, wb.vocab_size)))  # warm-up, not timed
     # Margin at position t on the cached prefix (the work margins() does per position).
     started = time.perf_counter()
     true_state = wb.step(prefix, torch.tensor([ids[t]])).states[0]
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--positions", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--speed", action="store_true", help="also measure the margin/forward speed ratio")
+    ap.add_argument("--speed-layers", default="", help="layers (same syntax) at which to measure the speed ratio")
     ap.add_argument("--audit-prompts", type=int, default=0, help="collision audit over this many prompts")
     ap.add_argument("--audit-length", type=int, default=12)
     ap.add_argument("--audit-pairs", type=int, default=1, help="closest pairs extended by every token")
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
                      "per_prompt": [m.to_dict() for m in ms]})
         print(f"layer {layer:2d}: Delta min {deltas.min():.4g} median {deltas.median():.4g} max {deltas.max():.4g}"
               f"  (||h|| median {norms.median():.4g}; {secs / deltas.numel():.1f} s/position)", flush=True)
-        if args.speed:
+        if layer in (named_layers(args.speed_layers, wb.n_layers) if args.speed_layers else []):
             speeds.append(speed_ratio(wb, prompts[0], layer, args.chunk))
             print("  speed:", {k: round(v, 3) if isinstance(v, float) else v for k, v in speeds[-1].items()}, flush=True)
     (out / "margins.json").write_text(json.dumps({"model": args.model, "rows": rows, "speed": speeds,

@@ -88,6 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--speed-layers", default="", help="layers (same syntax) at which to measure the speed ratio")
     ap.add_argument("--audit-prompts", type=int, default=0, help="collision audit over this many prompts")
     ap.add_argument("--audit-length", type=int, default=12)
+    ap.add_argument("--audit-layers", default="first,middle,last")
     ap.add_argument("--audit-pairs", type=int, default=1, help="closest pairs extended by every token")
     ap.add_argument("--out", default="runs/margins")
     args = ap.parse_args(argv)
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     rows, speeds = [], []
     if args.audit_prompts:
         audit_prompts = load_ids(lm.tokenizer, args.audit_prompts, args.audit_length)
-        arows = audit(wb, audit_prompts, named_layers(args.layers, wb.n_layers), pairs=args.audit_pairs, chunk=args.chunk)
+        arows = audit(wb, audit_prompts, named_layers(args.audit_layers, wb.n_layers), pairs=args.audit_pairs, chunk=args.chunk)
         (out / "audit.json").write_text(json.dumps([asdict(r) for r in arows], indent=1))
         (out / "audit.md").write_text(table(args.model, arows))
         print(table(args.model, arows), flush=True)

@@ -1,0 +1,246 @@
+"""The softmax classification-head baseline, and the prefix-aware prototype head (PAPER.md,
+"The classification-head baseline").
+
+:class:`SoftmaxHead` is a learned inverter g(h) = W^T h + b: one affine map from a layer-l state
+h_t to logits over tokens, trained with cross-entropy on (h_t, s_t) pairs of an offline corpus
+(benchmarks.corpus) by :func:`train_head`. It needs no forward access to the model and costs one
+matrix product per position, but its weights are fixed, while SipIt's effective prototypes
+mu_{p,v} move with the prefix.
+
+Implementation notes (where this differs from the bare formula):
+
+- Inputs are standardised with the training set's per-feature mean and std before the linear
+  map; that is still affine in h (:meth:`SoftmaxHead.affine` returns the equivalent W, b).
+- The output classes are the tokens that occur in the training corpus (``classes``). A token that
+  never occurs would only have its logit pushed down by cross-entropy, so the head could never
+  output it anyway; restricting the softmax to seen tokens makes training affordable on a 49k
+  vocabulary. ``coverage`` (the fraction of evaluation tokens the head can output at all) is
+  reported by the benchmark.
+- ``augment``: the adaptive variant is trained on states passed through the defence's exposure
+  (e.g. fresh Gaussian noise on every minibatch), so it has seen what it will be shown.
+- :meth:`SoftmaxHead.invert` follows the common attack interface. It never runs the model, so
+  every :class:`PositionRecord` has ``candidates_tried = 0``; ``distance`` and ``radius`` are 0 and
+  ``verified`` is False (a head has no distance to verify against).
+
+:class:`PrototypeHead` is the equivalence check: on ONE fixed prefix p, w_v = 2 mu_{p,v} and
+b_v = -||mu_{p,v}||^2 gives argmax_v (w_v^T h + b_v) = argmin_v ||mu_{p,v} - h||, i.e. exactly
+SipIt's nearest-neighbour decision at that position (tests/test_head.py checks it against SipIt's
+own exhaustive search).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from attacks.result import Inversion, PositionRecord
+
+Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+@dataclass
+class HeadReport:
+    """How a head was trained and how well it classifies corpus states."""
+
+    variant: str
+    train_accuracy: float
+    heldout_accuracy: float
+    heldout_accuracy_exposed: float | None  # held-out states passed through the augmentation
+    n_train: int
+    n_heldout: int
+    n_classes: int
+    epochs: int
+    final_loss: float
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SoftmaxHead(nn.Module):
+    """g(h) = W^T ((h - mean) / scale) + b over ``classes`` (token ids)."""
+
+    def __init__(self, d: int, classes: torch.Tensor, vocab_size: int, mean: torch.Tensor, scale: torch.Tensor,
+                 variant: str = "clean"):
+        super().__init__()
+        self.linear = nn.Linear(d, int(classes.numel()))
+        self.register_buffer("classes", classes.long().clone())
+        self.register_buffer("mean", mean.float().clone())
+        self.register_buffer("scale", scale.float().clone())
+        self.vocab_size = int(vocab_size)
+        self.variant = variant
+
+    @property
+    def name(self) -> str:
+        return "softmax-head" if self.variant == "clean" else f"softmax-head-{self.variant}"
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over ``classes``, ``(N, K)``."""
+        return self.linear((h.float() - self.mean) / self.scale)
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The equivalent raw-state head: ``W (d, K)``, ``b (K,)`` with g(h) = W^T h + b."""
+        weight = self.linear.weight / self.scale  # (K, d)
+        bias = self.linear.bias - weight @ self.mean
+        return weight.T.detach(), bias.detach()
+
+    @torch.no_grad()
+    def predict(self, h: torch.Tensor) -> torch.Tensor:
+        """Predicted token ids, ``(N,)``."""
+        return self.classes[self.forward(h).argmax(dim=-1)]
+
+    @torch.no_grad()
+    def invert(self, observed: torch.Tensor, whitebox=None, layer: int | None = None, tokenizer=None) -> Inversion:
+        """Classify every observed state independently (no forward pass: candidates_tried = 0)."""
+        if whitebox is not None:
+            observed = whitebox.check_states(observed)
+        started = time.perf_counter()
+        ids = self.predict(observed.cpu()).tolist()
+        seconds = time.perf_counter() - started
+        records = [
+            PositionRecord(position=t, token=int(v), distance=0.0, radius=0.0, candidates_tried=0,
+                           seconds=seconds / max(len(ids), 1), verified=False)
+            for t, v in enumerate(ids)
+        ]
+        return Inversion(
+            ids=[int(v) for v in ids],
+            text=tokenizer.decode(ids) if tokenizer is not None else "",
+            positions=records,
+            seconds=seconds,
+            vocab_size=self.vocab_size,
+        )
+
+    def coverage(self, ids) -> float:
+        """Fraction of ``ids`` the head can output at all (tokens among its classes)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            return 0.0
+        return float(torch.isin(ids, self.classes).float().mean())
+
+
+def split_heldout(windows: torch.Tensor, heldout_fraction: float) -> torch.Tensor:
+    """Boolean mask of held-out rows: the last ``heldout_fraction`` of the windows (whole windows,
+    so held-out text is never seen in training, not even as a neighbouring position)."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must lie in [0, 1), got {heldout_fraction}")
+    n_windows = int(windows.max()) + 1 if windows.numel() else 0
+    n_held = math.ceil(n_windows * heldout_fraction) if heldout_fraction > 0 else 0
+    if n_windows - n_held < 1:
+        n_held = n_windows - 1
+    return windows >= n_windows - n_held
+
+
+@torch.no_grad()
+def accuracy(head: SoftmaxHead, states: torch.Tensor, ids: torch.Tensor) -> float:
+    if ids.numel() == 0:
+        return float("nan")
+    return float((head.predict(states) == ids).float().mean())
+
+
+def train_head(
+    states: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_size: int,
+    windows: torch.Tensor | None = None,
+    heldout_fraction: float = 0.1,
+    epochs: int = 40,
+    batch_size: int = 512,
+    lr: float = 3e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+    augment: Augment | None = None,
+    variant: str = "clean",
+    progress: bool = False,
+) -> tuple[SoftmaxHead, HeadReport]:
+    """Train a softmax head with cross-entropy and Adam (seeded) on (state, token) pairs.
+
+    ``windows`` (N,) assigns rows to corpus windows; the last ``heldout_fraction`` of windows is
+    held out. ``augment(batch, generator)`` transforms each training minibatch (fresh draws every
+    epoch: the noise-augmented, adaptive variant); held-out accuracy is reported on clean states
+    and, with ``augment``, on augmented ones (one seeded draw).
+    """
+    states = states.float().cpu()
+    ids = ids.long().cpu()
+    if states.dim() != 2 or states.shape[0] != ids.numel() or ids.numel() < 2:
+        raise ValueError(f"need states (N, d) and ids (N,) with N >= 2, got {tuple(states.shape)} and {tuple(ids.shape)}")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError("epochs and batch_size must be positive")
+    windows = torch.arange(ids.numel()) if windows is None else windows.long().cpu()
+    held = split_heldout(windows, heldout_fraction)
+    x_train, y_train = states[~held], ids[~held]
+    x_held, y_held = states[held], ids[held]
+    classes = torch.unique(y_train)
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[classes] = torch.arange(classes.numel())
+    target = index[y_train]
+    mean = x_train.mean(0)
+    scale = x_train.std(0).clamp_min(1e-6) if x_train.shape[0] > 1 else torch.ones_like(mean)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = SoftmaxHead(states.shape[1], classes, vocab_size, mean, scale, variant=variant)
+    optimiser = torch.optim.Adam(head.parameters(), lr=lr, weight_decay=weight_decay)
+    started = time.perf_counter()
+    loss_value = float("nan")
+    for _ in tqdm(range(epochs), desc=f"train {head.name}", disable=not progress, leave=False):
+        order = torch.randperm(x_train.shape[0], generator=generator)
+        for start in range(0, x_train.shape[0], batch_size):
+            rows = order[start : start + batch_size]
+            batch = x_train[rows]
+            if augment is not None:
+                batch = augment(batch, generator).float()
+            loss = nn.functional.cross_entropy(head(batch), target[rows])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            loss_value = float(loss.detach())
+    head.eval()
+    exposed = None
+    if augment is not None and y_held.numel():
+        exposed = accuracy(head, augment(x_held, torch.Generator().manual_seed(seed + 1)).float(), y_held)
+    report = HeadReport(
+        variant=variant,
+        train_accuracy=accuracy(head, x_train, y_train),
+        heldout_accuracy=accuracy(head, x_held, y_held),
+        heldout_accuracy_exposed=exposed,
+        n_train=int(y_train.numel()),
+        n_heldout=int(y_held.numel()),
+        n_classes=int(classes.numel()),
+        epochs=epochs,
+        final_loss=loss_value,
+        seconds=time.perf_counter() - started,
+    )
+    return head, report
+
+
+class PrototypeHead:
+    """The linear head that reproduces nearest-neighbour decoding on ONE fixed prefix:
+    w_v = 2 mu_{p,v}, b_v = -||mu_{p,v}||^2, for every token v of the vocabulary."""
+
+    def __init__(self, prototypes: torch.Tensor):
+        self.prototypes = prototypes.float()  # (V, d): mu_{p,v}
+        self.weight = 2.0 * self.prototypes  # (V, d)
+        self.bias = -(self.prototypes * self.prototypes).sum(-1)  # (V,)
+
+    @classmethod
+    @torch.no_grad()
+    def on_prefix(cls, whitebox, prefix_ids, layer: int, *, chunk: int = 1024) -> "PrototypeHead":
+        """mu_{p,v} = Phi^l(p + v)_{|p|} for all v, stepped in chunks on the cached prefix."""
+        prefix = whitebox.prefix_cache(torch.as_tensor(prefix_ids, dtype=torch.long), layer)
+        rows = [whitebox.step(prefix, ids).states.float().cpu()
+                for ids in torch.arange(whitebox.vocab_size).split(chunk)]
+        return cls(torch.cat(rows))
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """w_v^T h + b_v for every v (``(V,)`` or ``(N, V)``) = ||h||^2 - ||mu_v - h||^2."""
+        return h.float().cpu() @ self.weight.T + self.bias
+
+    def predict(self, h: torch.Tensor) -> torch.Tensor:
+        return self.scores(h).argmax(dim=-1)

@@ -220,7 +220,6 @@ def plot(summary, path: Path, title: str) -> None:
     for name in summary["decoders"]:
         b.plot(sig, [r[name] for r in summary["by_sigma"]], "o-", label=name)
     b.plot(sig, [r["nn_exact_tf"] for r in summary["by_sigma"]], "k:", label="exact NN (TF)")
-    b.set_xscale("symlog", linthresh=min(s for s in sig if s > 0) if any(sig) else 1)
     b.set_xlabel("sigma (absolute, per coordinate)")
     b.legend(fontsize=7)
     fig.suptitle(title)

@@ -94,7 +94,7 @@ def decoders(sigma: float, args) -> list:
             BeamSipIt(sigma, width=args.width, prior=True, backtrack=True, **kw)]
 
 
-def free_part(wb, prompts, layer, sigmas, args, deltas: dict) -> list[dict]:
+def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None) -> list[dict]:
     """Part B: free-running decoders, one shared noise draw per (prompt, sigma)."""
     rows = []
     for si, sigma in enumerate(sigmas):
@@ -118,6 +118,8 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict) -> list[dict]:
                                  "in_shortlist": bool((cands[t] == ids[t]).any()) if cands and prefix_ok else None,
                                  "seconds": rec.seconds})
         print(f"  free: sigma={sigma} done in {time.perf_counter() - started:.0f} s", flush=True)
+        if on_sigma is not None:
+            on_sigma(sigmas[: si + 1], rows)
     return rows
 
 
@@ -227,7 +229,7 @@ def plot(summary, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(model: str, layer: int, sigmas: list[float], args) -> dict:
+def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = None) -> dict:
     lm = load_model(model)
     wb = WhiteBox(lm.model)
     layer = wb.resolve_layer(layer)
@@ -235,11 +237,17 @@ def run(model: str, layer: int, sigmas: list[float], args) -> dict:
     exact_rows = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws, args.exact_positions,
                             args.chunk, args.seed)
     deltas = {(r["prompt"], r["position"]): r["delta"] for r in exact_rows}
-    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas)
-    summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     meta = {"model": model, "layer": layer, "d": wb.d, "n_prompts": len(prompts), "length": args.length,
             "draws": args.draws, "exact_positions_total": len({(r["prompt"], r["position"]) for r in exact_rows}),
             "args": vars(args), "threads": torch.get_num_threads()}
+
+    def partial(done, rows):  # a run cut short by its time limit still leaves its finished sigmas
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
+
+    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial)
+    summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
 
 
@@ -265,8 +273,8 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sigmas = [float(s) for s in args.sigmas.split(",")]
-    result = run(args.model, args.layer, sigmas, args)
     out = Path(args.out)
+    result = run(args.model, args.layer, sigmas, args, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise.json").write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result["summary"], result["meta"])

@@ -1,0 +1,667 @@
+"""The benchmark run: SipIt vs a trained softmax classification head under a defence, logged to MLflow.
+
+    python -m benchmarks.run --defense noise --sigma 0.1
+    python -m benchmarks.run --defense none
+    python -m benchmarks.run --model tiny-gpt2 --defense quant,noise --quant int8 --sigma-rel 0.05
+
+One run: load the model, apply the defence (served model + exposure), expose the layer-l states
+of every evaluation prompt, then invert them with each attack and compare with the truth.
+Prints a comparison table, writes ``results.json`` (plus CSVs and plots) to ``--out`` and logs
+one parent MLflow run with one nested run per attack (benchmarks.tracking). Every option is an
+argument of :func:`run_benchmark`, which the CLI calls.
+
+Attacks (``--attacks``, comma list):
+
+- ``sipit``: the strongest SipIt form that knows the defence. Exact exposure: exact SipIt
+  (gradient policy + prior). Gaussian noise (sigma > 0): the noise-robust decoder
+  (``--robust map``: attacks.robust.MapDecoder, default; ``beam``: BeamSipIt; ``nn``: nearest
+  neighbour on the shortlist), given the defence's absolute sigma. Inexact but noise-free
+  exposure (quantised activations): nearest neighbour on the shortlist. Pooled exposure:
+  defenses.pooled_attack.PooledBeamAttack.
+- ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
+  (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
+  ``softmax-head-adaptive`` trained on states passed through the defence's exposure.
+  candidates_tried = 0 (it never runs the model).
+- ``bruteforce``: SipIt with a random candidate order (optional; ~V/2 candidates per position).
+
+Margins: Delta_t over the full vocabulary costs V candidate positions (~60 s per position at the
+last layer of smollm2 on 2 cores), so only ``--margin-positions`` seeded (prompt, position)
+pairs get one (default 2; -1 = every position, fine on tiny models). ||n_t|| is measured at every
+position (the benchmark knows the true states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+ATTACKS = ("sipit", "softmax-head", "bruteforce")
+ROBUST = ("map", "beam", "nn")
+DEFAULTS = dict(n_prompts=8, length=16, head_tokens=4096, head_epochs=40, margin_positions=2, utility_tokens=1024)
+
+
+class BenchmarkUsageError(ValueError):
+    """Bad options: reported as a usage error before any heavy work."""
+
+
+@dataclass
+class _State:
+    """What a run has produced so far (saved as partial results on Ctrl-C)."""
+
+    results: dict
+    rows: list[dict] = field(default_factory=list)  # per-position
+    prompt_rows: list[dict] = field(default_factory=list)  # per-prompt
+
+
+# --------------------------------------------------------------------------- option handling
+def parse_list(values, choices: tuple[str, ...] | None, what: str) -> list[str]:
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    names = [n.strip() for v in values for n in str(v).split(",") if n.strip()]
+    if choices is not None:
+        bad = [n for n in names if n not in choices]
+        if bad:
+            raise BenchmarkUsageError(f"unknown {what} {bad}: choose from {', '.join(choices)}")
+    return names
+
+
+def defense_params(names: list[str], *, sigma, sigma_rel, placement, quant, quant_activations, tie_groups,
+                   tie_rare, pool, pool_window, pool_dims, seed) -> dict:
+    """CLI options -> keyword parameters of the registered defences (validated by them)."""
+    params: dict = {}
+    if sigma is not None and sigma_rel is not None:
+        raise BenchmarkUsageError("give either --sigma (absolute) or --sigma-rel (relative to the state RMS), not both")
+    for value, flag in ((sigma, "--sigma"), (sigma_rel, "--sigma-rel")):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise BenchmarkUsageError(f"{flag} must be a finite number >= 0, got {value}")
+    if sigma is not None:
+        params.update(sigma=float(sigma), relative_to="abs")
+    if sigma_rel is not None:
+        params.update(sigma=float(sigma_rel), relative_to="rms")
+    if placement is not None:
+        params["placement"] = placement
+    if "noise" in names:
+        params["seed"] = seed
+    if quant is not None:
+        params["weights"] = quant
+    if quant_activations is not None:
+        params["activations"] = quant_activations
+    if tie_groups is not None:
+        params["groups"] = tie_groups
+    if tie_rare is not None:
+        params["rare"] = tie_rare
+    if pool is not None:
+        params["mode"] = pool
+    if pool_window is not None:
+        params.update(over="window", k=pool_window)
+    if pool_dims is not None:
+        params.update(over="dims", g=pool_dims)
+    return params
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _members(defense) -> list:
+    return list(getattr(defense, "members", [defense]))
+
+
+def _exposure_fn(defense):
+    """States -> what the attacker sees, for training the adaptive head on corpus states.
+
+    Noise placed inside the model is added directly (its layer-l states are the noisy ones)."""
+
+    def apply(states: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        for member in _members(defense):
+            if getattr(member, "placement", "exposure") == "model" and hasattr(member, "add_noise"):
+                states = member.add_noise(states, generator)
+            else:
+                states = member.expose(states, generator)
+        return states
+
+    return apply
+
+
+# --------------------------------------------------------------------------- attacks
+def sipit_attack(defense, sigma: float, exact_exposure: bool, *, robust: str, beam_width: int, seed: int):
+    """The strongest SipIt form that knows ``defense`` (see the module docstring)."""
+    from attacks.policies import GradientPolicy
+    from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour
+    from attacks.sipit import SipIt
+
+    if not defense.per_position:
+        from defenses.pooled_attack import PooledBeamAttack
+
+        return PooledBeamAttack(_members(defense)[-1])
+    if sigma > 0:
+        if robust == "beam":
+            return BeamSipIt(sigma, width=beam_width)
+        if robust == "nn":
+            return NearestNeighbour(stop="shortlist", sigma=sigma)
+        return MapDecoder(sigma)
+    if not exact_exposure:
+        return NearestNeighbour(stop="shortlist")
+    return SipIt(GradientPolicy(), seed=seed)
+
+
+def _decoder_name(attack) -> str:
+    return f"{type(attack).__name__}({getattr(attack, 'name', '')})"
+
+
+# --------------------------------------------------------------------------- outputs
+def write_outputs(out: Path, state: _State) -> list[Path]:
+    """results.json, per_prompt.csv, per_position.csv and the plots, in ``out``."""
+    from benchmarks import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    per_position = out / "per_position.csv"
+    fields = ["attack", "prompt", "position", "true_token", "recovered_token", "correct", "delta", "noise_norm",
+              "ratio", "candidates_tried", "distance", "seconds"]
+    with per_position.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in fields} for r in state.rows)
+    paths.append(per_position)
+    per_prompt = out / "per_prompt.csv"
+    pfields = ["attack", "prompt", "kind", "exact", "token_accuracy", "truth_text", "recovered_text"]
+    with per_prompt.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=pfields)
+        writer.writeheader()
+        writer.writerows(state.prompt_rows)
+    paths.append(per_prompt)
+    title = state.results.get("title", "")
+    paths.append(plots.recovery_vs_ratio(state.rows, out / "recovery_vs_ratio.png", title))
+    margins = state.results.get("margins", {})
+    paths.append(plots.delta_distribution(margins.get("deltas", []), margins.get("noise_norms_all", []),
+                                          out / "delta_distribution.png", title))
+    results = out / "results.json"
+    results.write_text(json.dumps(state.results, indent=2, default=str, allow_nan=False if False else True))
+    paths.append(results)
+    return paths
+
+
+def format_table(results: dict) -> str:
+    lines = [results.get("title", ""), ""]
+    head = f"{'attack':<24} {'decoder':<26} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
+    lines += [head, "-" * len(head)]
+    for name, s in results.get("attacks", {}).items():
+        if "exact_match" not in s:
+            lines.append(f"{name:<24} {s.get('decoder', ''):<26} {'(not run: ' + s.get('skipped', '') + ')'}")
+            continue
+        acc = f"{s['token_accuracy']:.3f} ± {s['token_accuracy_se']:.3f} ({s['n_tokens']}/{s['n_prompts']})"
+        exact = f"{s['exact_match']:.2f} ± {s['exact_match_se']:.2f}"
+        lines.append(f"{name:<24} {s.get('decoder', '')[:26]:<26} {exact:>13} {acc:>32} "
+                     f"{s['seconds_per_prompt']:>9.3g} {s['candidates_per_position']:>9.1f}")
+    u = results.get("utility") or {}
+    if u:
+        lines.append(f"defence utility: perplexity {u.get('ppl_clean', float('nan')):.3f} -> {u.get('ppl_served', float('nan')):.3f} "
+                     f"({100 * u.get('ppl_rel_increase', 0):+.2f}%), top-1 agreement {u.get('top1_agreement', float('nan')):.3f} "
+                     f"on {u.get('n_tokens')} tokens")
+    m = results.get("margins") or {}
+    if m:
+        lines.append(f"margins: median Delta/2 = {m.get('median_half_delta', float('nan')):.4g} "
+                     f"({m.get('n_positions', 0)} positions), median ||n|| = {m.get('median_noise_norm', float('nan')):.4g} "
+                     f"(all {m.get('n_noise_positions', 0)} positions)")
+    for variant, h in (results.get("heads") or {}).items():
+        lines.append(f"head {variant}: train acc {h['train_accuracy']:.3f}, held-out acc {h['heldout_accuracy']:.3f}"
+                     + (f" (exposed {h['heldout_accuracy_exposed']:.3f})" if h.get("heldout_accuracy_exposed") is not None else "")
+                     + f", {h['n_classes']} classes, coverage of eval tokens {h.get('coverage', float('nan')):.3f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the run
+def run_benchmark(
+    model: str | None = None,
+    layer: int = -1,
+    defense: list[str] | str | None = "none",
+    sigma: float | None = None,
+    sigma_rel: float | None = None,
+    placement: str | None = None,
+    quant: str | None = None,
+    quant_activations: str | None = None,
+    tie_groups: int | None = None,
+    tie_rare: int | None = None,
+    pool: str | None = None,
+    pool_window: int | None = None,
+    pool_dims: int | None = None,
+    attacks: list[str] | str = "sipit,softmax-head",
+    robust: str = "map",
+    beam_width: int = 4,
+    knows_defense: bool = True,
+    prompts: str = "mixed",
+    n_prompts: int = DEFAULTS["n_prompts"],
+    length: int = DEFAULTS["length"],
+    seed: int = 0,
+    head_tokens: int = DEFAULTS["head_tokens"],
+    head_epochs: int = DEFAULTS["head_epochs"],
+    margin_positions: int = DEFAULTS["margin_positions"],
+    utility_tokens: int = DEFAULTS["utility_tokens"],
+    tracking_uri: str | None = None,
+    experiment: str = "sipit-bench",
+    track: bool = True,
+    out: str | Path | None = None,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Run the benchmark; return the results dict (also written to ``out``/results.json).
+
+    Raises :class:`BenchmarkUsageError` for bad options before any heavy work. On Ctrl-C the
+    partial results are written (``status: interrupted``), the MLflow runs are marked FAILED and
+    ``KeyboardInterrupt`` propagates.
+    """
+    from benchmarks import tracking as tracking_mod
+    from benchmarks.prompts import PROMPT_SETS, named_prompt_set, read_texts
+    from defenses.base import DefenseParamError
+    from defenses.registry import DEFENSES, make_chain
+    from sipit.models import DEFAULT_MODEL, load_model
+    from sipit.whitebox import SipitInputError, WhiteBox
+
+    started = time.perf_counter()
+    model = model or DEFAULT_MODEL
+    # ---------------------------------------------------------------- validate (cheap) first
+    defense_names = parse_list(defense if defense is not None else "none", tuple(DEFENSES), "defence") or ["none"]
+    if len(defense_names) > 1:
+        defense_names = [n for n in defense_names if n != "none"]
+    attack_names = parse_list(attacks, ATTACKS, "attack")
+    if not attack_names:
+        raise BenchmarkUsageError(f"no attack given: choose from {', '.join(ATTACKS)}")
+    if robust not in ROBUST:
+        raise BenchmarkUsageError(f"unknown robust decoder {robust!r}: choose from {', '.join(ROBUST)}")
+    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 1), (head_tokens, "--head-tokens", 64),
+                             (head_epochs, "--head-epochs", 1), (beam_width, "--beam-width", 1),
+                             (utility_tokens, "--utility-tokens", 0)):
+        if value < low:
+            raise BenchmarkUsageError(f"{flag} must be >= {low}, got {value}")
+    if margin_positions < -1:
+        raise BenchmarkUsageError(f"--margin-positions must be >= -1 (-1 = all), got {margin_positions}")
+    if prompts not in PROMPT_SETS:
+        try:
+            read_texts(prompts)
+        except (FileNotFoundError, ValueError) as err:
+            raise BenchmarkUsageError(f"--prompts {prompts!r}: {err} (or use a set name: {', '.join(PROMPT_SETS)})") from None
+    params = defense_params(defense_names, sigma=sigma, sigma_rel=sigma_rel, placement=placement, quant=quant,
+                            quant_activations=quant_activations, tie_groups=tie_groups, tie_rare=tie_rare, pool=pool,
+                            pool_window=pool_window, pool_dims=pool_dims, seed=seed + 1)
+    try:
+        chain = make_chain(defense_names, **params)
+    except DefenseParamError as err:
+        raise BenchmarkUsageError(f"--defense {','.join(defense_names)}: {err}") from None
+    seeds = {"prompts": seed, "noise": seed + 1, "head": seed + 2, "attack": seed, "margin_positions": seed + 3,
+             "utility": seed}
+    config = dict(model=model, layer=layer, defense=defense_names, defense_params=chain.params(), attacks=attack_names,
+                  robust=robust, beam_width=beam_width, knows_defense=knows_defense, prompts=prompts,
+                  n_prompts=n_prompts, length=length, seed=seed, head_tokens=head_tokens, head_epochs=head_epochs,
+                  margin_positions=margin_positions, utility_tokens=utility_tokens, experiment=experiment)
+    chash = config_hash(config)
+    out_dir = Path(out) if out is not None else tracking_mod.REPO_ROOT / "results" / f"run-{chash}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BenchmarkUsageError(f"--out {str(out_dir)!r} cannot be created: {err}") from None
+
+    # ---------------------------------------------------------------- tracking store
+    tracker, tracking_error = None, None
+    if track:
+        try:
+            tracker = tracking_mod.Tracker(tracking_uri, experiment)
+        except tracking_mod.TrackingError as err:
+            tracking_error = str(err)
+            log(f"error: {err}\n  -> continuing without MLflow; results are still written to {out_dir}", file=sys.stderr)
+
+    # ---------------------------------------------------------------- model, layer, prompts
+    try:
+        loaded = load_model(model)
+    except (ValueError, OSError, ModuleNotFoundError) as err:
+        raise BenchmarkUsageError(f"--model {model!r}: {err}") from None
+    clean_wb = WhiteBox(loaded.model)
+    try:
+        layer_r = clean_wb.resolve_layer(layer)
+    except SipitInputError as err:
+        raise BenchmarkUsageError(f"--layer: {err}") from None
+    try:
+        prompt_set = named_prompt_set(prompts, loaded.tokenizer, n_prompts, length=length, seed=seeds["prompts"])
+    except ValueError as err:
+        raise BenchmarkUsageError(f"--prompts {prompts!r}: {err}") from None
+    prompt_set = [p for p in prompt_set if p.ids]
+    if not prompt_set:
+        raise BenchmarkUsageError(f"--prompts {prompts!r}: no prompt has any token")
+
+    title = (f"{loaded.name} layer {layer_r}/{clean_wb.n_layers} | defence {','.join(defense_names)} "
+             f"{json.dumps(chain.params(), default=str)} | {len(prompt_set)} prompts x {length} tokens")
+    results: dict = {
+        "status": "running", "title": title, "config": config, "config_hash": chash, "seeds": seeds,
+        "git_commit": tracking_mod.git_commit(), "packages": tracking_mod.package_versions(),
+        "model": {"name": loaded.name, "n_layers": clean_wb.n_layers, "d": clean_wb.d,
+                  "vocab_size": clean_wb.vocab_size, "layer": layer_r},
+        "defense": {"names": defense_names, "params": chain.params(), "describe": chain.describe(),
+                    "per_position": chain.per_position},
+        "attacks": {}, "heads": {}, "prompts": [], "margins": {}, "utility": {},
+        "tracking": {"uri": tracker.uri if tracker else tracking_uri, "error": tracking_error, "run_id": None},
+        "out": str(out_dir),
+    }
+    state = _State(results)
+    if tracker is not None:
+        try:
+            tracker.start_parent(f"{','.join(defense_names)}-{chash[:6]}", {
+                "config": config, "seeds": seeds, "packages": results["packages"],
+                "git_commit": results["git_commit"], "model_info": results["model"]},
+                {"config_hash": chash, "git_commit": results["git_commit"], "defense": ",".join(defense_names),
+                 "model": loaded.name})
+            results["tracking"]["run_id"] = tracker.parent_id
+        except Exception as err:  # noqa: BLE001
+            tracking_error = f"cannot log to MLflow store {tracker.uri!r}: {type(err).__name__}: {err}"
+            results["tracking"]["error"] = tracking_error
+            log(f"error: {tracking_error}\n  -> continuing without MLflow", file=sys.stderr)
+            tracker = None
+
+    try:
+        _run(state, tracker, loaded, clean_wb, layer_r, chain, prompt_set, attack_names, seeds,
+             robust=robust, beam_width=beam_width, knows_defense=knows_defense, head_tokens=head_tokens,
+             head_epochs=head_epochs, margin_positions=margin_positions, utility_tokens=utility_tokens,
+             progress=progress, log=log)
+        results["status"] = "finished"
+    except KeyboardInterrupt:
+        results["status"] = "interrupted"
+        results["seconds"] = time.perf_counter() - started
+        write_outputs(out_dir, state)
+        if tracker is not None:
+            tracker.fail("interrupted (KeyboardInterrupt): partial results in " + str(out_dir))
+        raise
+    except BaseException as err:
+        results["status"] = f"failed: {type(err).__name__}: {err}"
+        results["seconds"] = time.perf_counter() - started
+        write_outputs(out_dir, state)
+        if tracker is not None:
+            tracker.fail(results["status"])
+        raise
+    results["seconds"] = time.perf_counter() - started
+    paths = write_outputs(out_dir, state)
+    if tracker is not None:
+        try:
+            parent = tracker.parent_id
+            tracker.log_metrics(parent, {"seconds_total": results["seconds"], **_flat_metrics(results)})
+            tracker.log_artifacts(parent, paths)
+            tracker.finish(parent)
+            results["tracking"]["url"] = tracker.run_url()
+        except Exception as err:  # noqa: BLE001
+            results["tracking"]["error"] = f"logging failed: {type(err).__name__}: {err}"
+            tracker.fail(results["tracking"]["error"])
+            log(f"error: {results['tracking']['error']}", file=sys.stderr)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def _flat_metrics(results: dict) -> dict:
+    metrics = {}
+    for key in ("ppl_clean", "ppl_served", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "state_cosine"):
+        value = (results.get("utility") or {}).get(key)
+        if value is not None:
+            metrics[f"utility.{key}"] = value
+    m = results.get("margins") or {}
+    for key in ("median_half_delta", "median_noise_norm", "n_positions", "seconds"):
+        if key in m:
+            metrics[f"margins.{key}"] = m[key]
+    for name, s in results.get("attacks", {}).items():
+        for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position"):
+            if key in s:
+                metrics[f"{name}.{key}"] = s[key]
+    for variant, h in (results.get("heads") or {}).items():
+        for key in ("train_accuracy", "heldout_accuracy", "heldout_accuracy_exposed", "coverage"):
+            if h.get(key) is not None:
+                metrics[f"head_{variant}.{key}"] = h[key]
+    return metrics
+
+
+def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set, attack_names, seeds, *,
+         robust, beam_width, knows_defense, head_tokens, head_epochs, margin_positions, utility_tokens, progress, log):
+    from attacks.head import train_head
+    from attacks.policies import RandomPolicy
+    from attacks.sipit import SipIt
+    from benchmarks.corpus import corpus_states, corpus_windows, overlap_with
+    from benchmarks.metrics import median, summarise
+    from sipit.margins import distances_to_all
+    from sipit.whitebox import WhiteBox
+
+    results = state.results
+    served = chain.serve(loaded, layer)
+    attacker = chain.attacker_model(loaded, layer, knows_defense)
+    served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
+    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model)
+    truths = [p.ids for p in prompt_set]
+
+    # ---------------------------------------------------------------- exposures
+    generator = torch.Generator().manual_seed(seeds["noise"])
+    exposures, true_states, sigmas, noise_norms, exact_flags = [], [], [], [], []
+    for ids in tqdm(truths, desc="expose states", disable=not progress, leave=False):
+        h_served = served_wb.states(ids, layer)
+        exposed = chain.expose(h_served, generator)
+        exposures.append(exposed)
+        sigmas.append(float(chain.noise_sigma(h_served)))
+        if chain.per_position:
+            h_true = attacker_wb.states(ids, layer)  # mu_{p_t, s_t} as the attacker computes it
+            true_states.append(h_true)
+            noise_norms.append((exposed.float() - h_true.float()).norm(dim=-1).tolist())
+            exact_flags.append(bool(torch.equal(exposed, h_true)))
+        else:
+            noise_norms.append([None] * len(ids))
+            exact_flags.append(False)
+    all_norms = [n for row in noise_norms for n in row if n is not None]
+    results["defense"]["sigma_abs_median"] = median(sigmas)
+    results["defense"]["exposure_exact"] = all(exact_flags)
+
+    # ---------------------------------------------------------------- margins on a subset
+    margin_started = time.perf_counter()
+    pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
+    if margin_positions != -1 and chain.per_position:
+        pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seeds["margin_positions"]))
+        pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
+    elif not chain.per_position:
+        pairs = []
+    deltas: dict[tuple[int, int], float] = {}
+    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
+        ids = torch.tensor(truths[i])
+        prefix = attacker_wb.prefix_cache(ids[:t], layer)
+        mu_true = attacker_wb.step(prefix, ids[t : t + 1]).states[0]
+        dist = distances_to_all(attacker_wb, prefix, mu_true)
+        dist[int(ids[t])] = float("inf")
+        deltas[(i, t)] = float(dist.min())
+    results["margins"] = {
+        "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
+        "median_half_delta": median([d / 2 for d in deltas.values()]),
+        "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
+        "noise_norms_all": all_norms, "seconds": time.perf_counter() - margin_started,
+        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
+    }
+
+    # ---------------------------------------------------------------- utility cost
+    if utility_tokens:
+        from defenses.utility import held_out_ids, utility_cost
+
+        try:
+            held_out_ids(loaded.tokenizer, utility_tokens, seeds["utility"])
+            n_util = utility_tokens
+        except ValueError:
+            n_util = 512
+        log(f"[run] utility cost of the defence on {n_util} held-out tokens", file=sys.stderr)
+        results["utility"] = utility_cost(loaded, chain, layer, n_tokens=n_util, seed=seeds["utility"]).to_dict()
+
+    if tracker is not None:
+        tracker.log_metrics(tracker.parent_id, _flat_metrics(results))
+
+    # ---------------------------------------------------------------- attacks
+    plan: list[tuple[str, str]] = []  # (result name, kind)
+    for name in attack_names:
+        if name == "softmax-head":
+            plan.append(("softmax-head", "head-clean"))
+            if chain.name != "none":
+                plan.append(("softmax-head-adaptive", "head-adaptive"))
+        else:
+            plan.append((name, name))
+    corpus = None
+    for result_name, kind in plan:
+        log(f"[run] attack {result_name} started", file=sys.stderr)
+        child = None
+        summary: dict = {}
+        if kind.startswith("head") and not chain.per_position:
+            results["attacks"][result_name] = {"skipped": "pooled exposure has no per-position states",
+                                               "decoder": "SoftmaxHead"}
+            continue
+        if kind.startswith("head"):
+            if corpus is None:
+                corpus = corpus_states(attacker, attacker_wb, layer, n_tokens=head_tokens, progress=progress)
+                results["head_corpus"] = {
+                    "source": "pydoc_data.topics", "n_tokens": len(corpus), "cache_key": corpus.key,
+                    "loaded_from_cache": corpus.cached,
+                    "overlap_8gram_with_prompts": overlap_with(corpus_windows(loaded.tokenizer, head_tokens), truths),
+                }
+            variant = "clean" if kind == "head-clean" else "adaptive"
+            head, report = train_head(
+                corpus.states, corpus.ids, vocab_size=attacker_wb.vocab_size, windows=corpus.windows,
+                epochs=head_epochs, seed=seeds["head"], variant=variant,
+                augment=_exposure_fn(chain) if variant == "adaptive" else None, progress=progress)
+            info = report.to_dict()
+            info["coverage"] = head.coverage(truths)
+            results["heads"][variant] = info
+            make = lambda i: head  # noqa: E731
+            decoder = f"SoftmaxHead({variant})"
+        elif kind == "bruteforce":
+            make = lambda i: SipIt(RandomPolicy(), use_prior=False, seed=seeds["attack"])  # noqa: E731
+            decoder = "SipIt(random order)"
+        else:
+            def make(i):
+                return sipit_attack(chain, sigmas[i], exact_flags[i], robust=robust, beam_width=beam_width,
+                                    seed=seeds["attack"])
+            decoder = _decoder_name(make(0))
+        summary["decoder"] = decoder
+        if tracker is not None:
+            child = tracker.start_child(result_name, {"attack": result_name, "decoder": decoder,
+                                                      "config_hash": results["config_hash"],
+                                                      **({"head": results["heads"][variant]} if kind.startswith("head") else {})})
+        inversions = []
+        results["attacks"][result_name] = summary
+        for i, ids in enumerate(tqdm(truths, desc=result_name, disable=not progress)):
+            attack = make(i)
+            if chain.per_position:
+                inv = attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer)
+            else:
+                inv = attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer, length=len(ids))
+            inversions.append(inv)
+            for t, truth_tok in enumerate(ids):
+                rec = inv.positions[t] if t < len(inv.positions) else None
+                got = inv.ids[t] if t < len(inv.ids) else None
+                delta = deltas.get((i, t))
+                norm = noise_norms[i][t]
+                state.rows.append({
+                    "attack": result_name, "prompt": i, "position": t, "true_token": truth_tok,
+                    "recovered_token": got, "correct": int(got == truth_tok), "delta": delta, "noise_norm": norm,
+                    "ratio": (norm / (delta / 2)) if (delta and norm is not None) else None,
+                    "candidates_tried": rec.candidates_tried if rec else None,
+                    "distance": rec.distance if rec else None, "seconds": rec.seconds if rec else None,
+                })
+            state.prompt_rows.append({
+                "attack": result_name, "prompt": i, "kind": prompt_set[i].kind, "exact": int(inv.ids == ids),
+                "token_accuracy": sum(a == b for a, b in zip(inv.ids, ids)) / len(ids),
+                "truth_text": loaded.tokenizer.decode(ids), "recovered_text": inv.text,
+            })
+            summary.update(summarise(result_name, truths[: i + 1], inversions).to_dict())
+            if not progress:
+                log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
+        if child is not None:
+            tracker.log_metrics(child, {k: v for k, v in summary.items() if k not in ("attack", "decoder")})
+            tracker.finish(child)
+
+    results["prompts"] = [
+        {"index": i, "kind": p.kind, "truth_ids": p.ids, "truth_text": loaded.tokenizer.decode(p.ids),
+         "recovered": {r["attack"]: r["recovered_text"] for r in state.prompt_rows if r["prompt"] == i}}
+        for i, p in enumerate(prompt_set)
+    ]
+
+
+# --------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks.tracking import default_tracking_uri
+    from defenses.registry import DEFENSES
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registry name, HF model dir, .gguf file or hub id")
+    p.add_argument("--layer", type=int, default=-1, help="layer attacked (negative: from the end; -1 = last block)")
+    p.add_argument("--defense", action="append", default=None,
+                   help=f"defence(s), repeatable or comma-chained, applied in order: {', '.join(DEFENSES)}")
+    g = p.add_argument_group("defence parameters")
+    g.add_argument("--sigma", type=float, help="noise: absolute per-coordinate sigma")
+    g.add_argument("--sigma-rel", type=float, help="noise: sigma as a multiple of the state RMS")
+    g.add_argument("--placement", choices=("exposure", "model"), help="noise: on the exposed copy or inside the model")
+    g.add_argument("--quant", help="quant: weight kind (e.g. int8, nf4, fp4, none)")
+    g.add_argument("--quant-activations", help="quant: activation kind of the exposed states")
+    g.add_argument("--tie-groups", type=int, help="tying: k-means groups of embedding rows")
+    g.add_argument("--tie-rare", type=int, help="tying: tie the m rarest tokens")
+    g.add_argument("--pool", help="pooling: mode (mean, max)")
+    g.add_argument("--pool-window", type=int, help="pooling: pool over windows of k positions")
+    g.add_argument("--pool-dims", type=int, help="pooling: pool groups of g hidden dims")
+    a = p.add_argument_group("attacks")
+    a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(ATTACKS)}")
+    a.add_argument("--robust", default="map", choices=ROBUST, help="noise-robust SipIt decoder used under noise")
+    a.add_argument("--beam-width", type=int, default=4)
+    a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
+                   help="the attacker holds only the original weights")
+    a.add_argument("--head-tokens", type=int, default=DEFAULTS["head_tokens"], help="softmax-head training corpus tokens")
+    a.add_argument("--head-epochs", type=int, default=DEFAULTS["head_epochs"])
+    d = p.add_argument_group("data and measurement")
+    d.add_argument("--prompts", default="mixed", help="prompt set (mixed, natural, random) or a text file, one per line")
+    d.add_argument("--n-prompts", type=int, default=DEFAULTS["n_prompts"])
+    d.add_argument("--length", type=int, default=DEFAULTS["length"], help="tokens per prompt")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--margin-positions", type=int, default=DEFAULTS["margin_positions"],
+                   help="positions with an exact full-vocabulary margin Delta (-1 = all)")
+    d.add_argument("--utility-tokens", type=int, default=DEFAULTS["utility_tokens"], help="0 skips the utility cost")
+    t = p.add_argument_group("output")
+    t.add_argument("--tracking-uri", default=None, help=f"MLflow tracking URI (default {default_tracking_uri()})")
+    t.add_argument("--experiment", default="sipit-bench")
+    t.add_argument("--no-tracking", dest="track", action="store_false", help="do not log to MLflow")
+    t.add_argument("--out", default=None, help="results folder (default results/run-<config hash>)")
+    t.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def log(*items, **kwargs):
+        print(*items, **kwargs, flush=True)
+
+    try:
+        results = run_benchmark(**vars(args), log=log)
+    except BenchmarkUsageError as err:
+        parser.error(str(err))
+    except KeyboardInterrupt:
+        print("\ninterrupted: partial results written; MLflow run marked FAILED", file=sys.stderr)
+        return 130
+    print(format_table(results))
+    print(f"results: {results['out']}/results.json")
+    if results["tracking"].get("error"):
+        print(f"error: {results['tracking']['error']} (results are in {results['out']})", file=sys.stderr)
+        return 3
+    if results["tracking"].get("url"):
+        print(f"mlflow run {results['tracking']['run_id']} (open with the command in mlflow/README.md): "
+              f"{results['tracking']['url']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

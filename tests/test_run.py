@@ -1,0 +1,122 @@
+"""The benchmark CLI end to end on tiny-gpt2 (noise defence), bad inputs, and Ctrl-C handling."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from benchmarks import run as bench
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--model", "tiny-gpt2", "--n-prompts", "3", "--length", "8", "--head-tokens", "1024", "--head-epochs", "20",
+         "--utility-tokens", "128", "--no-progress"]
+
+
+def test_cli_end_to_end_noise_then_mlflow_reads_back(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    out = tmp_path / "out"
+    code = bench.main(SMALL + ["--defense", "noise", "--sigma-rel", "0.05", "--margin-positions", "-1",
+                               "--tracking-uri", uri, "--experiment", "e2e", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "sipit" in printed and "softmax-head-adaptive" in printed and "median Delta/2" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "finished"
+    sipit, head = results["attacks"]["sipit"], results["attacks"]["softmax-head"]
+    assert sipit["decoder"].startswith("MapDecoder") and sipit["n_tokens"] == 24
+    # Noise well inside Delta/2 (theorem regime): SipIt recovers, the fixed head does not.
+    assert results["margins"]["median_noise_norm"] < results["margins"]["median_half_delta"]
+    assert sipit["token_accuracy"] >= 0.95 and sipit["token_accuracy"] > head["token_accuracy"]
+    assert head["candidates_per_position"] == 0 and sipit["candidates_per_position"] > 1
+    rows = list(csv.DictReader((out / "per_position.csv").open()))
+    assert len(rows) == 3 * 24 and all(r["delta"] != "" for r in rows)
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("e2e")
+    parent = client.get_run(results["tracking"]["run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["config_hash"] == results["config_hash"]
+    assert parent.data.params["config.model"] == "tiny-gpt2" and "packages.torch" in parent.data.params
+    assert parent.data.params["seeds.noise"] == "1" and "git_commit" in parent.data.params
+    assert parent.data.metrics["sipit.token_accuracy"] == pytest.approx(sipit["token_accuracy"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"results.json", "per_position.csv", "per_prompt.csv", "recovery_vs_ratio.png",
+            "delta_distribution.png"} <= artifacts
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["mlflow.runName"] for c in children) == ["sipit", "softmax-head", "softmax-head-adaptive"]
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert "token_accuracy" in child.data.metrics and "exact_match" in child.data.metrics
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--defense", "bogus"], "choose from none, noise, quant, tying, pooling"),
+    (["--attacks", "sipit,magic"], "choose from sipit, softmax-head, bruteforce"),
+    (["--defense", "noise", "--sigma", "-0.1"], "--sigma must be a finite number >= 0"),
+    (["--layer", "9"], "layer 9 out of range"),
+])
+def test_bad_inputs_are_usage_errors(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(SMALL + argv + ["--no-tracking", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_empty_prompt_file_fails_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# only a comment\n\n")
+    monkeypatch.setattr("sipit.models.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit):
+        bench.main(SMALL + ["--prompts", str(empty), "--no-tracking", "--out", str(tmp_path / "o")])
+    assert "holds no prompts" in capsys.readouterr().err
+
+
+def test_unwritable_tracking_store_still_writes_results(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = tmp_path / "out"
+    code = bench.main(SMALL + ["--n-prompts", "1", "--attacks", "softmax-head", "--utility-tokens", "0",
+                               "--tracking-uri", f"sqlite:///{blocker / 'mlflow.db'}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "cannot use MLflow tracking store" in err and str(out) in err
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "finished" and results["tracking"]["error"]
+    assert results["attacks"]["softmax-head"]["n_prompts"] == 1
+
+
+def test_ctrl_c_saves_partial_results_and_fails_the_mlflow_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--model", "tiny-gpt2", "--attacks", "bruteforce",
+           "--n-prompts", "40", "--length", "8", "--utility-tokens", "0", "--margin-positions", "0", "--no-progress",
+           "--tracking-uri", uri, "--experiment", "sigint", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        if "[run] bruteforce prompt 2/40 done" in line or time.time() > deadline:
+            break
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "interrupted"
+    done = results["attacks"]["bruteforce"].get("n_prompts", 0)
+    assert 2 <= done < 40  # partial: some prompts inverted, not all
+    assert len(list(csv.DictReader((out / "per_position.csv").open()))) == 8 * done
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("sigint").experiment_id])
+    assert runs and all(r.info.status == "FAILED" for r in runs)
+    assert {r.data.tags.get("mlflow.runName") for r in runs} >= {"bruteforce"}

@@ -1,0 +1,116 @@
+"""MLflow logging: the Tracker on its own, and a real `mlflow server` on 127.0.0.1 serving a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from benchmarks.run import run_benchmark
+from benchmarks.tracking import Tracker, TrackingError, default_tracking_uri, finite_metrics, flatten
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_flatten_and_metrics_filtering():
+    flat = flatten({"a": {"b": 1, "c": [1, 2]}, "d": "x" * 7000})
+    assert flat["a.b"] == "1" and flat["a.c"] == "[1, 2]" and len(flat["d"]) == 6000
+    assert finite_metrics({"x": 1, "y": float("nan"), "z": "s", "w": True, "v": 2.5}) == {"x": 1.0, "v": 2.5}
+    assert default_tracking_uri().startswith("sqlite:///") and default_tracking_uri().endswith("mlflow/mlflow.db")
+
+
+def test_tracker_fail_marks_open_runs_failed(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
+    tracker = Tracker(uri, "unit")
+    parent = tracker.start_parent("p", {"config": {"k": 1}}, {"config_hash": "abc"})
+    child = tracker.start_child("c", {"attack": "c"})
+    tracker.log_metrics(child, {"m": 0.5, "bad": float("nan")})
+    tracker.fail("boom")
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(parent).info.status == "FAILED" and client.get_run(child).info.status == "FAILED"
+    assert client.get_run(child).data.metrics == {"m": 0.5}
+    assert client.get_run(parent).data.tags["failure"] == "boom"
+    # the experiment's artifacts live next to the database, not in the working directory
+    assert client.get_run(parent).info.artifact_uri.startswith((tmp_path / "db" / "artifacts").as_uri())
+
+
+def test_unwritable_store_raises_tracking_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(TrackingError, match="cannot use MLflow tracking store"):
+        Tracker(f"sqlite:///{blocker / 'mlflow.db'}", "x")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_mlflow_server_serves_the_benchmark_run(tmp_path):
+    store = tmp_path / "store"
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    results = run_benchmark(model="tiny-gpt2", defense="noise", sigma_rel=0.05, n_prompts=1, length=6,
+                            head_tokens=512, head_epochs=5, margin_positions=0, utility_tokens=0,
+                            tracking_uri=uri, experiment="served", out=tmp_path / "out", progress=False,
+                            log=lambda *a, **k: None)
+    run_id = results["tracking"]["run_id"]
+    port = _free_port()
+    # The command documented in mlflow/README.md (localhost only, one worker, no job runner).
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri,
+         "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"mlflow server did not come up: {server.stderr.read()[-2000:] if server.poll() is not None else 'timeout'}")
+                time.sleep(0.5)
+        run = _get(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
+        assert run["info"]["status"] == "FINISHED"
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert tags["config_hash"] == results["config_hash"]
+        metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+        assert metrics["softmax-head.token_accuracy"] == pytest.approx(results["attacks"]["softmax-head"]["token_accuracy"])
+        query = urllib.parse.urlencode({"run_id": run_id})
+        files = {f["path"] for f in _get(f"{base}/api/2.0/mlflow/artifacts/list?{query}")["files"]}
+        assert {"results.json", "per_position.csv", "recovery_vs_ratio.png"} <= files
+        request = urllib.request.Request(
+            f"{base}/api/2.0/mlflow/runs/search", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"experiment_ids": [run["info"]["experiment_id"]],
+                             "filter": f"tags.mlflow.parentRunId = '{run_id}'"}).encode())
+        with urllib.request.urlopen(request, timeout=10) as response:
+            children = json.loads(response.read())["runs"]
+        names = sorted({t["key"]: t["value"] for t in c["data"]["tags"]}["mlflow.runName"] for c in children)
+        assert names == ["sipit", "softmax-head", "softmax-head-adaptive"]
+        with urllib.request.urlopen(f"{base}/get-artifact?path=results.json&run_uuid={run_id}", timeout=10) as response:
+            assert json.loads(response.read())["config_hash"] == results["config_hash"]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -33,7 +33,7 @@ from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
-from sipit.whitebox import WhiteBox
+from sipit.whitebox import PrefixCache, WhiteBox
 
 
 class SipIt:
@@ -74,55 +74,65 @@ class SipIt:
         generator = torch.Generator().manual_seed(self.seed)
         prior = NextTokenPrior(whitebox.model) if self.use_prior else None
         prefix = whitebox.prefix_cache([], layer)
-        ids: list[int] = []
         records: list[PositionRecord] = []
         started = time.perf_counter()
         for t in tqdm(range(observed.shape[0]), desc=self.name, disable=not self.progress, leave=False):
-            step_start = time.perf_counter()
-            ctx = StepContext(
-                whitebox=whitebox,
-                prefix=prefix,
-                target=observed[t],
-                prior_logprobs=prior.logprobs if prior is not None else None,
-                generator=generator,
+            record, prefix = self.decode_position(
+                whitebox, prefix, observed[t], float(radii[t]),
+                prior.logprobs if prior is not None else None, generator,
             )
-            self.policy.start(ctx)
-            tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
-            best_distance, best_token, best_prefix = float("inf"), -1, None
-            batch_size = self.batch_size
-            while not bool(tried.all()):
-                candidates = self.policy.propose(ctx, tried, batch_size)
-                batch = whitebox.step(prefix, candidates)
-                distances = (batch.states - observed[t]).norm(dim=-1)
-                tried[candidates] = True
-                j = int(distances.argmin())
-                if float(distances[j]) < best_distance:
-                    best_distance, best_token = float(distances[j]), int(candidates[j])
-                    best_prefix = batch.extended(j)
-                    ctx.anchor = best_token
-                if best_distance <= float(radii[t]):
-                    break
-                batch_size = min(2 * batch_size, self.max_batch)
-            ids.append(best_token)
-            records.append(
-                PositionRecord(
-                    position=t,
-                    token=best_token,
-                    distance=best_distance,
-                    radius=float(radii[t]),
-                    candidates_tried=int(tried.sum()),
-                    seconds=time.perf_counter() - step_start,
-                    verified=best_distance <= float(radii[t]),
-                )
-            )
-            prefix = best_prefix
+            records.append(record)
             if prior is not None and t + 1 < observed.shape[0]:
-                prior.push(best_token)
-        text = tokenizer.decode(ids) if tokenizer is not None else ""
+                prior.push(record.token)
+        ids = [r.token for r in records]
         return Inversion(
             ids=ids,
-            text=text,
+            text=tokenizer.decode(ids) if tokenizer is not None else "",
             positions=records,
             seconds=time.perf_counter() - started,
             vocab_size=whitebox.vocab_size,
         )
+
+    def decode_position(
+        self,
+        whitebox: WhiteBox,
+        prefix: PrefixCache,
+        target: torch.Tensor,
+        radius: float,
+        prior_logprobs: torch.Tensor | None,
+        generator: torch.Generator,
+    ) -> tuple[PositionRecord, PrefixCache]:
+        """Find the token at position ``prefix.length``: verify candidates in growing batches
+        until one lies within ``radius`` of ``target`` or the vocabulary is exhausted.
+
+        Returns the position's record and the prefix cache extended by the chosen token.
+        """
+        started = time.perf_counter()
+        ctx = StepContext(whitebox, prefix, target, prior_logprobs, generator)
+        self.policy.start(ctx)
+        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
+        best_distance, best_token, best_prefix = float("inf"), -1, prefix
+        batch_size = self.batch_size
+        while not bool(tried.all()):
+            candidates = self.policy.propose(ctx, tried, batch_size)
+            batch = whitebox.step(prefix, candidates)
+            distances = (batch.states - target).norm(dim=-1)
+            tried[candidates] = True
+            j = int(distances.argmin())
+            if float(distances[j]) < best_distance:
+                best_distance, best_token = float(distances[j]), int(candidates[j])
+                best_prefix = batch.extended(j)
+                ctx.anchor = best_token
+            if best_distance <= radius:
+                break
+            batch_size = min(2 * batch_size, self.max_batch)
+        record = PositionRecord(
+            position=prefix.length,
+            token=best_token,
+            distance=best_distance,
+            radius=radius,
+            candidates_tried=int(tried.sum()),
+            seconds=time.perf_counter() - started,
+            verified=best_distance <= radius,
+        )
+        return record, best_prefix

@@ -1,0 +1,161 @@
+"""Speed of SipIt (gradient policy) against BruteForce (random order) on the same positions.
+
+    python -m benchmarks.speed [--model smollm2-135m] [--n-prompts 10] [--length 20]
+                               [--layers first,middle,last] [--bruteforce-positions 3]
+
+For each layer: SipIt inverts every prompt (90% natural / 10% random tokens). BruteForce costs
+~V/2 candidate evaluations per position, so it runs on ``--bruteforce-positions`` positions per
+layer, each on the true prefix of a prompt (its expected cost per position does not depend on the
+prefix), and its per-prompt time and candidate counts are extrapolated as per-position mean x
+prompt length. The report says so. Results go to ``--out`` as JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from attacks.policies import GradientPolicy, RandomPolicy
+from attacks.sipit import SipIt
+from benchmarks.prompts import prompt_set
+from sipit.models import DEFAULT_MODEL, load_model
+from sipit.tolerance import acceptance_radius
+from sipit.whitebox import WhiteBox
+
+
+def named_layers(spec: str, n_layers: int) -> list[int]:
+    """``first,middle,last`` (or integers) -> layer indices (first = 1, middle = L // 2, last = L)."""
+    names = {"first": 1, "middle": n_layers // 2, "last": n_layers}
+    return [names[x] if x in names else int(x) for x in spec.split(",")]
+
+
+def bruteforce_positions(attack: SipIt, whitebox: WhiteBox, prompts, layer: int, n_positions: int, seed: int):
+    """Run BruteForce at ``n_positions`` (prompt, position) pairs on their true prefixes."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = [(i % len(prompts), int(torch.randint(0, len(prompts[0].ids), (1,), generator=generator)))
+             for i in range(n_positions)]
+    records = []
+    for prompt_index, t in tqdm(picks, desc=f"bruteforce L{layer}", leave=False):
+        ids = prompts[prompt_index].ids
+        observed = whitebox.states(ids, layer)
+        prefix = whitebox.prefix_cache(ids[:t], layer)
+        radius = float(acceptance_radius(observed[t : t + 1], attack.rel_tol)[0])
+        record, _ = attack.decode_position(whitebox, prefix, observed[t], radius, None, generator)
+        records.append({"prompt": prompt_index, "position": t, "correct": record.token == ids[t],
+                        "candidates_tried": record.candidates_tried, "seconds": record.seconds})
+    return records
+
+
+def run_speed(
+    model: str = DEFAULT_MODEL,
+    n_prompts: int = 10,
+    length: int = 20,
+    layers: str = "first,middle,last",
+    bruteforce_positions_per_layer: int = 3,
+    seed: int = 0,
+    out: str | Path = "results/speed",
+) -> dict:
+    """Measure SipIt vs BruteForce; write ``speed.json`` and ``speed.md`` under ``out``."""
+    loaded = load_model(model)
+    whitebox = WhiteBox(loaded.model)
+    prompts = prompt_set(loaded.tokenizer, n_prompts, length=length, seed=seed)
+    vocab = whitebox.vocab_size
+    report = {"model": model, "n_prompts": n_prompts, "length": length, "vocab_size": vocab,
+              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__, "layers": []}
+    for layer in named_layers(layers, whitebox.n_layers):
+        sipit = SipIt(GradientPolicy(), seed=seed)
+        rows = []
+        for prompt in tqdm(prompts, desc=f"sipit L{layer}", leave=False):
+            inversion = sipit.invert(whitebox.states(prompt.ids, layer), whitebox, layer, loaded.tokenizer)
+            rows.append({"kind": prompt.kind, "exact": inversion.ids == prompt.ids,
+                         "token_accuracy": inversion.token_accuracy(prompt.ids),
+                         "seconds": inversion.seconds, "candidates": inversion.candidates_tried,
+                         "per_position": [p.candidates_tried for p in inversion.positions]})
+        brute = bruteforce_positions(SipIt(RandomPolicy(), use_prior=False, seed=seed), whitebox, prompts,
+                                     layer, bruteforce_positions_per_layer, seed)
+        seconds = [r["seconds"] for r in rows]
+        per_position = statistics.mean(r["candidates"] for r in rows) / length
+        brute_per_position = statistics.mean(b["candidates_tried"] for b in brute)
+        brute_seconds_per_prompt = statistics.mean(b["seconds"] for b in brute) * length
+        entry = {
+            "layer": layer,
+            "sipit": {
+                "exact_match_rate": statistics.mean(r["exact"] for r in rows),
+                "token_accuracy": statistics.mean(r["token_accuracy"] for r in rows),
+                "median_seconds_per_prompt": statistics.median(seconds),
+                "mean_seconds_per_prompt": statistics.mean(seconds),
+                "median_seconds_natural": statistics.median(r["seconds"] for r in rows if r["kind"] == "natural")
+                if any(r["kind"] == "natural" for r in rows) else None,
+                "candidates_per_position": per_position,
+                "explored_percent": 100 * per_position / vocab,
+                "prompts": rows,
+            },
+            "bruteforce": {
+                "positions": brute,
+                "candidates_per_position": brute_per_position,
+                "explored_percent": 100 * brute_per_position / vocab,
+                "seconds_per_prompt_extrapolated": brute_seconds_per_prompt,
+                "correct": all(b["correct"] for b in brute),
+            },
+            "speedup_candidates": brute_per_position / per_position,
+            "speedup_time_mean": brute_seconds_per_prompt / statistics.mean(seconds),
+        }
+        report["layers"].append(entry)
+        print(format_row(entry), flush=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(report, indent=2))
+    (out / "speed.md").write_text(to_markdown(report))
+    return report
+
+
+HEADER = ("| layer | exact | token acc | median s/prompt | mean s/prompt | cand./pos | % vocab | "
+          "BF cand./pos | BF s/prompt (extrap.) | fewer cand. | less time |")
+
+
+def format_row(entry: dict) -> str:
+    s, b = entry["sipit"], entry["bruteforce"]
+    return (f"| {entry['layer']} | {s['exact_match_rate']:.2f} | {s['token_accuracy']:.3f} | "
+            f"{s['median_seconds_per_prompt']:.2f} | {s['mean_seconds_per_prompt']:.2f} | "
+            f"{s['candidates_per_position']:.1f} | {s['explored_percent']:.3f} | "
+            f"{b['candidates_per_position']:.0f} | {b['seconds_per_prompt_extrapolated']:.1f} | "
+            f"{entry['speedup_candidates']:.0f}x | {entry['speedup_time_mean']:.0f}x |")
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"# SipIt vs BruteForce on {report['model']}", "",
+             f"{report['n_prompts']} prompts of {report['length']} tokens (90% natural, 10% random), "
+             f"V = {report['vocab_size']}, {report['threads']} threads, torch {report['torch']}. "
+             "BruteForce ran on the listed positions only; its per-prompt time is the per-position "
+             "mean x prompt length.", "", HEADER, "|" + "---|" * 11]
+    lines += [format_row(e) for e in report["layers"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--n-prompts", type=int, default=10)
+    parser.add_argument("--length", type=int, default=20)
+    parser.add_argument("--layers", default="first,middle,last")
+    parser.add_argument("--bruteforce-positions", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/speed")
+    args = parser.parse_args(argv)
+    print(HEADER, flush=True)
+    started = time.perf_counter()
+    run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, args.out)
+    print(f"total {time.perf_counter() - started:.0f} s; written to {args.out}/speed.json and speed.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,7 +26,7 @@ Attacks (``--attacks``, comma list):
 
 Margins: Delta_t over the full vocabulary costs V candidate positions (~60 s per position at the
 last layer of smollm2 on 2 cores), so only ``--margin-positions`` seeded (prompt, position)
-pairs get one (default 2; -1 = every position, fine on tiny models). ||n_t|| is measured at every
+pairs get one (default 1; -1 = every position, fine on tiny models). ||n_t|| is measured at every
 position (the benchmark knows the true states).
 """
 
@@ -37,6 +37,7 @@ import csv
 import hashlib
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from tqdm.auto import tqdm
 
 ATTACKS = ("sipit", "softmax-head", "bruteforce")
 ROBUST = ("map", "beam", "nn")
-DEFAULTS = dict(n_prompts=8, length=16, head_tokens=4096, head_epochs=40, margin_positions=2, utility_tokens=1024)
+DEFAULTS = dict(n_prompts=4, length=12, head_tokens=4096, head_epochs=40, margin_positions=1, utility_tokens=1024)
 
 
 class BenchmarkUsageError(ValueError):
@@ -641,6 +642,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def on_term(signum, frame):  # `kill` / timeout: close like Ctrl-C (partial results, FAILED runs)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
 
     def log(*items, **kwargs):
         print(*items, **kwargs, flush=True)

@@ -28,6 +28,7 @@ DEFAULT_STORE_DIR = REPO_ROOT / "mlflow"
 DEFAULT_EXPERIMENT = "sipit-bench"
 PACKAGES = ("torch", "transformers", "tokenizers", "mlflow", "numpy", "scipy", "bitsandbytes", "gguf", "sipit-bench")
 MAX_PARAM_CHARS = 6000
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 class TrackingError(RuntimeError):
@@ -119,6 +120,9 @@ class Tracker:
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root(self.uri))
             else:
                 self.experiment_id = found.experiment_id
+            if found is None or EXPERIMENT_KIND[0] not in found.tags:
+                # MLflow 3's UI shows GenAI pages unless told this is classic model work: the runs table.
+                self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
         except Exception as err:  # noqa: BLE001 - any store failure means "cannot track"
             raise TrackingError(f"cannot use MLflow tracking store {self.uri!r}: {type(err).__name__}: {err}") from err
         self._mlflow = mlflow

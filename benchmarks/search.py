@@ -1,0 +1,689 @@
+"""Optuna search for the cheapest defence that makes the model non-invertible, over many workers.
+
+    python -m benchmarks.search --storage search.journal --study demo --n-trials 30 --workers 2
+    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --create-only
+    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --attach --workers 4
+    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --report-only
+
+Steps of the plain command (each also a flag on its own):
+
+1. create: the storage and the study are created ONCE, here, before any worker starts (two workers
+   racing to create a new sqlite study crash one of them). The study records its whole search
+   configuration and the MLflow parent run id as study user attributes; workers read both.
+2. workers: ``--workers N`` spawns N subprocesses (``--attach``) that run trials against the shared
+   storage until the study holds ``--n-trials`` COMPLETE trials (``--workers 1`` runs in-process).
+   Each trial is a nested MLflow run under the study's parent run, whichever process runs it.
+3. report: per defence family, the cheapest setting whose recovery stays <= ``--threshold``, its
+   utility cost and the recovery of every attack at it; JSON + markdown + PNG in ``--out`` and on
+   the parent MLflow run.
+
+Storage: a path (``*.journal``/``*.log`` or ``journal:PATH``) is an Optuna JournalStorage file
+(one machine); a URL (``postgresql://...``, ``sqlite:///...``) is an RDBStorage (many machines).
+
+Crash safety: trials are written to the storage when they finish, so a killed worker loses no
+completed trial. A running trial carries a heartbeat; when it is older than ``--grace-period``
+seconds any worker marks the trial FAILED and re-queues its parameters
+(``RetryHeartbeatStaleTrialCallback``), so rerunning the command resumes the study to its target.
+RDBStorage has heartbeats built in; Optuna 5.1's JournalStorage does not, so
+:class:`HeartbeatJournalStorage` adds them (a ``heartbeat`` system attribute per running trial).
+
+Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= threshold, set with
+``trial.set_constraint``; the value is copied to the user attribute ``constraint.recovery``) and
+``pareto`` (NSGA-II, minimise (utility loss, recovery)). Utility loss = relative perplexity
+increase of the served model on held-out text (defenses.utility). Samplers are seeded
+(``seed + worker index``): a 1-worker study is reproducible; with N workers the trial set depends
+on scheduling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget, report_group
+
+MODES = ("constrained", "pareto")
+CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
+               "utility_tokens", "attacks", "budget", "sigma_low", "sigma_high", "tying_method", "experiment")
+PARENT_ATTR = "mlflow_parent_run_id"
+
+
+class SearchUsageError(ValueError):
+    """Bad options, reported before any heavy work."""
+
+
+# --------------------------------------------------------------------------- storage
+def _heartbeat_journal_class():
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.trial import TrialState
+
+    class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
+        """JournalStorage plus heartbeats: a running trial's ``heartbeat`` system attribute (unix time).
+
+        A RUNNING trial is stale when max(heartbeat, start time) is older than ``grace_period``.
+        """
+
+        def __init__(self, backend, *, heartbeat_interval: int, grace_period: int, callback=None):
+            super().__init__(backend)
+            self._hb_interval, self._grace, self._callback = heartbeat_interval, grace_period, callback
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                self.set_trial_system_attr(trial_id, "heartbeat", time.time())
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            now = time.time()
+            stale = []
+            for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+                started = t.datetime_start.timestamp() if t.datetime_start else now
+                last = max(float(t.system_attrs.get("heartbeat", 0.0)), started)
+                if now - last > self._grace:
+                    stale.append(t._trial_id)
+            return stale
+
+        def get_heartbeat_interval(self) -> int | None:
+            return self._hb_interval
+
+        def get_heartbeat_stale_trial_callback(self):
+            return self._callback
+
+    return HeartbeatJournalStorage
+
+
+def _retry_callback(tracking_uri: str | None, experiment: str, max_retry: int):
+    """Mark the stale trial's MLflow run FAILED, then re-queue its parameters (WAITING trial)."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+
+    def callback(study, trial):
+        run_id = trial.user_attrs.get("mlflow_run_id")
+        if run_id:
+            try:
+                from benchmarks.tracking import Tracker
+
+                tracker = Tracker(tracking_uri, experiment)
+                tracker.set_tag(run_id, "failure", f"worker {trial.user_attrs.get('worker')} stopped (stale heartbeat)")
+                tracker.client.set_terminated(run_id, status="FAILED")
+            except Exception:  # noqa: BLE001 - tracking is best effort here
+                pass
+        retry(study, trial)
+
+    return callback
+
+
+def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, tracking_uri=None,
+                 experiment: str = "sipit-search", max_retry: int = 3):
+    """An Optuna storage with heartbeats and stale-trial retry, from a path or URL."""
+    import optuna
+
+    if not storage:
+        raise SearchUsageError("--storage is required (a journal file path or a database URL)")
+    if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
+        raise SearchUsageError(f"need 1 <= --heartbeat-interval < --grace-period, got {heartbeat_interval}, {grace_period}")
+    callback = _retry_callback(tracking_uri, experiment, max_retry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if "://" in storage:
+            try:
+                return optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                                  heartbeat_stale_trial_callback=callback)
+            except Exception as err:  # noqa: BLE001 - driver missing, host unreachable, bad URL
+                raise SearchUsageError(f"--storage {storage!r}: cannot open database: {type(err).__name__}: {err}") from None
+        path = Path(storage[len("journal:"):] if storage.startswith("journal:") else storage)
+        if not path.parent.exists():
+            raise SearchUsageError(f"--storage {storage!r}: folder {path.parent} does not exist")
+        from optuna.storages.journal import JournalFileBackend
+
+        return _heartbeat_journal_class()(JournalFileBackend(str(path)), heartbeat_interval=heartbeat_interval,
+                                          grace_period=grace_period, callback=callback)
+
+
+# --------------------------------------------------------------------------- config
+def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
+                attacks, budget, sigma_low, sigma_high, tying_method, experiment) -> dict:
+    """Validated search configuration (everything that must agree between workers)."""
+    if isinstance(families, str):
+        families = [f.strip() for f in families.split(",") if f.strip()]
+    families = list(families or [])
+    if not families:
+        raise SearchUsageError(f"no defence family given: choose from {', '.join(FAMILIES)}")
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        raise SearchUsageError(f"unknown defence family {bad}: choose from {', '.join(FAMILIES)}")
+    if mode not in MODES:
+        raise SearchUsageError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0 \
+            or not math.isfinite(threshold):
+        raise SearchUsageError(f"--threshold is a token accuracy in [0, 1), got {threshold!r}")
+    if isinstance(attacks, str):
+        attacks = [a.strip() for a in attacks.split(",") if a.strip()]
+    bad = [a for a in attacks if a not in SEARCH_ATTACKS]
+    if not attacks or bad:
+        raise SearchUsageError(f"unknown or no attack {bad or attacks}: choose from {', '.join(SEARCH_ATTACKS)}")
+    if not 0 < sigma_low < sigma_high or not math.isfinite(sigma_high):
+        raise SearchUsageError(f"need 0 < --sigma-low < --sigma-high, got {sigma_low}, {sigma_high}")
+    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 2), (utility_tokens, "--utility-tokens", 16)):
+        if value < low:
+            raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
+    if tying_method not in ("rare", "kmeans"):
+        raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
+    budget = budget.to_dict() if isinstance(budget, AttackBudget) else dict(budget or AttackBudget().to_dict())
+    return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
+                prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
+                attacks=list(attacks), budget=budget, sigma_low=float(sigma_low), sigma_high=float(sigma_high),
+                tying_method=tying_method, experiment=experiment)
+
+
+def _sampler(config: dict, worker: int):
+    import optuna
+
+    seed = config["seed"] + worker
+    if config["mode"] == "pareto":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
+
+
+def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
+    """Create the study (or load it, checking the config agrees) and its MLflow parent run."""
+    import optuna
+
+    directions = ["minimize", "minimize"] if config["mode"] == "pareto" else ["minimize"]
+    study = optuna.create_study(study_name=study_name, storage=storage, directions=directions, load_if_exists=True,
+                                sampler=_sampler(config, 0))
+    stored = study.user_attrs.get("config")
+    if stored is None:
+        study.set_user_attr("config", config)
+    else:
+        check_same_config(stored, config)
+    if track and study.user_attrs.get(PARENT_ATTR) is None:
+        from benchmarks.tracking import Tracker, git_commit, package_versions
+
+        tracker = Tracker(tracking_uri, config["experiment"])
+        parent = tracker.start_parent(f"search-{study_name}", {"config": config, "packages": package_versions()},
+                                      {"study": study_name, "git_commit": git_commit(), "kind": "optuna-search"})
+        study.set_user_attr(PARENT_ATTR, parent)
+        study.set_user_attr("tracking_uri", tracker.uri)
+    return study
+
+
+def check_same_config(stored: dict, given: dict) -> None:
+    diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
+    if diff:
+        raise SearchUsageError("the study exists with a different configuration (stored vs given): "
+                               + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in ((k, *v) for k, v in diff.items()))
+                               + " — use the same options, or a new --study name")
+
+
+# --------------------------------------------------------------------------- worker
+def _counts(study) -> dict:
+    from optuna.trial import TrialState
+
+    out = {s: 0 for s in ("COMPLETE", "RUNNING", "WAITING", "FAIL")}
+    for t in study.get_trials(deepcopy=False):
+        if t.state.name in out:
+            out[t.state.name] += 1
+    return out
+
+
+def _with_retries(fn, attempts: int = 5):
+    """MLflow sqlite stores can be briefly locked by another worker: retry a few times."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            if i == attempts - 1:
+                raise
+            time.sleep(0.5 * (i + 1))
+
+
+def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, tracking_uri=None, track: bool = True,
+               heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, log=print) -> int:
+    """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran."""
+    import optuna
+
+    from benchmarks.prompts import named_prompt_set
+    from benchmarks.search_space import TrialContext, evaluate, suggest_setting
+    from sipit.models import load_model
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if isinstance(storage, str):
+        storage = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                               tracking_uri=tracking_uri)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        raise SearchUsageError(f"study {study_name!r} does not exist in the storage: create it first "
+                               "(run without --attach, or with --create-only)") from None
+    config = study.user_attrs["config"]
+    study.sampler = _sampler(config, worker)
+    tracking_uri = tracking_uri or study.user_attrs.get("tracking_uri")
+    tracker = None
+    parent = study.user_attrs.get(PARENT_ATTR)
+    if track and parent:
+        from benchmarks.tracking import Tracker
+
+        tracker = _with_retries(lambda: Tracker(tracking_uri, config["experiment"]))
+        tracker.parent_id = parent
+
+    loaded = load_model(config["model"])
+    from sipit.whitebox import WhiteBox
+
+    layer = WhiteBox(loaded.model).resolve_layer(config["layer"])
+    prompt_ids = [p.ids for p in named_prompt_set(config["prompts"], loaded.tokenizer, config["n_prompts"],
+                                                  length=config["length"], seed=config["seed"]) if p.ids]
+    ctx = TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
+                       attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
+    vocab = ctx.clean_wb.vocab_size
+    who = f"{socket.gethostname()}:{os.getpid()}"
+
+    def objective(trial):
+        family, names, params = suggest_setting(trial, config["families"], vocab_size=vocab, length=config["length"],
+                                                sigma_low=config["sigma_low"], sigma_high=config["sigma_high"],
+                                                tying_method=config["tying_method"])
+        trial.set_user_attr("worker", who)
+        trial.set_user_attr("family", family)
+        trial.set_user_attr("group", report_group(family, trial.params))
+        child = None
+        if tracker is not None:
+            child = _with_retries(lambda: tracker.client.create_run(
+                tracker.experiment_id, run_name=f"trial-{trial.number}",
+                tags={"mlflow.parentRunId": tracker.parent_id, "trial": str(trial.number), "family": family,
+                      "worker": who}).info.run_id)
+            trial.set_user_attr("mlflow_run_id", child)
+            _with_retries(lambda: tracker.log_params(child, {"trial": trial.number, **trial.params}))
+        try:
+            m = _reuse(study, trial) or evaluate(ctx, names, params)
+        except BaseException as err:
+            if child is not None:
+                _with_retries(lambda: tracker.set_tag(child, "failure", f"{type(err).__name__}: {err}"[:5000]))
+                _with_retries(lambda: tracker.client.set_terminated(child, status="FAILED"))
+            raise
+        for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
+                    "strongest_attack", "seconds", "sigma_abs_median", "reused_from"):
+            if m.get(key) is not None:
+                trial.set_user_attr(key, m[key])
+        trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
+                                            "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
+        trial.set_user_attr("defense_params", m["defense_params"])
+        excess = m["recovery"] - config["threshold"]
+        if config["mode"] == "constrained":
+            trial.set_constraint("recovery", excess)
+        trial.set_user_attr("constraint.recovery", excess)
+        trial.set_user_attr("feasible", excess <= 0)
+        if child is not None:
+            metrics = {k: m[k] for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
+                                         "recovery", "seconds") if m.get(k) is not None}
+            metrics.update({f"{a}.token_accuracy": v["token_accuracy"] for a, v in m["attacks"].items()})
+            metrics["constraint.recovery"] = excess
+            metrics["feasible"] = float(excess <= 0)
+            _with_retries(lambda: tracker.log_metrics(child, metrics))
+            _with_retries(lambda: tracker.client.set_terminated(child, status="FINISHED"))
+        log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
+            f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} ({m['seconds']:.1f}s)",
+            file=sys.stderr)
+        if config["mode"] == "pareto":
+            return m["utility_loss"], m["recovery"]
+        return m["utility_loss"]
+
+    ran = 0
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        c = _counts(study)
+        if c["COMPLETE"] >= n_trials:
+            break
+        if c["COMPLETE"] + c["RUNNING"] >= n_trials and not c["WAITING"]:
+            time.sleep(poll)  # the others will finish the study (or go stale and be retried)
+            continue
+        study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+        ran += 1
+    return ran
+
+
+def _reuse(study, trial) -> dict | None:
+    """A COMPLETE trial with the very same parameters: copy its measurement (deterministic)."""
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.params == trial.params and "recovery" in t.user_attrs:
+            u = t.user_attrs
+            attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
+            return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
+                                              "recovery", "strongest_attack", "sigma_abs_median")},
+                    "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
+                    "reused_from": t.number}
+    return None
+
+
+# --------------------------------------------------------------------------- report
+def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
+    front, best = [], math.inf
+    for u, r, n in sorted(points):
+        if r < best:
+            front.append(n)
+            best = r
+    return front
+
+
+def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
+    """Per group: the cheapest COMPLETE trial with recovery <= threshold; plus the Pareto front."""
+    from optuna.trial import TrialState
+
+    config = study.user_attrs["config"]
+    threshold = config["threshold"] if threshold is None else threshold
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
+    rows = []
+    for t in trials:
+        u = t.user_attrs
+        rows.append({"trial": t.number, "group": u["group"], "family": u["family"], "params": t.params,
+                     "utility_loss": u["utility_loss"], "ppl_rel_increase": u["ppl_rel_increase"],
+                     "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
+                     "recovery": u["recovery"], "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
+                     "feasible": u["recovery"] <= threshold, "retry_of": t.system_attrs.get("failed_trial"),
+                     "reused_from": u.get("reused_from")})
+    groups: dict[str, dict] = {}
+    for group in sorted({r["group"] for r in rows}):
+        mine = [r for r in rows if r["group"] == group]
+        ok = sorted((r for r in mine if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+        groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
+                         "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
+    feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+    front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
+    answer = [r for r in feasible if r["ppl_rel_increase"] <= ppl_limit]
+    counts = _counts(study)
+    return {
+        "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
+        "best": feasible[0] if feasible else None, "groups": groups,
+        "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
+        "question": {"ppl_limit": ppl_limit, "reached": bool(answer), "cheapest": answer[0] if answer else None},
+        "trials": sorted(rows, key=lambda r: r["trial"]),
+        "mlflow_parent_run_id": study.user_attrs.get(PARENT_ATTR),
+    }
+
+
+def _fmt_params(params: dict) -> str:
+    return ", ".join(f"{k.split('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{k.split('.', 1)[-1]}={v}"
+                     for k, v in params.items() if k != "family")
+
+
+def format_report(report: dict) -> str:
+    c = report["config"]
+    lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
+             f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
+             f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
+             f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
+             f"utility on {c['utility_tokens']} tokens; attacks {', '.join(c['attacks'])}", "",
+             "| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | ppl increase | "
+             "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
+    for group, g in report["groups"].items():
+        b = g["best"]
+        if b is None:
+            lo = g["lowest_recovery"]
+            lines.append(f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
+                         f"{_fmt_params(lo['params'])}, ppl {100 * lo['ppl_rel_increase']:+.2f}%) | {lo['trial']} | | | |")
+            continue
+        attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
+        lines.append(f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
+                     f"{100 * b['ppl_rel_increase']:+.2f}% | {b['top1_agreement']:.3f} | {attacks} |")
+    q = report["question"]
+    lines.append("")
+    if q["reached"]:
+        b = q["cheapest"]
+        lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+                     f"{100 * q['ppl_limit']:.0f}%: trial {b['trial']} {b['group']} ({_fmt_params(b['params'])}), "
+                     f"ppl {100 * b['ppl_rel_increase']:+.2f}%, recovery {b['recovery']:.3f}.")
+    else:
+        lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+                     f"{100 * q['ppl_limit']:.0f}%.")
+    lines.append("")
+    lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
+        f"#{r['trial']} {r['group']} ppl {100 * r['ppl_rel_increase']:+.2f}% rec {r['recovery']:.3f}"
+        for r in report["pareto_front"]))
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group in sorted({r["group"] for r in report["trials"]}):
+        mine = [r for r in report["trials"] if r["group"] == group]
+        ax.scatter([100 * r["ppl_rel_increase"] for r in mine], [r["recovery"] for r in mine], label=group, s=22)
+    front = report["pareto_front"]
+    ax.plot([100 * r["ppl_rel_increase"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
+    ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
+    ax.set_xlabel("perplexity increase (%)")
+    ax.set_ylabel("recovery (token accuracy, strongest attack)")
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_title(f"{report['config']['model']} layer {report['config']['layer']}: {report['study']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log=print) -> dict:
+    report = build_report(study)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    text = format_report(report)
+    (out / "report.md").write_text(text + "\n")
+    fields = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
+              "recovery", "attacks", "feasible", "retry_of", "reused_from"]
+    with (out / "trials.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report["trials"])
+    paths = [out / "report.json", out / "report.md", out / "trials.csv"]
+    if report["trials"]:
+        paths.append(plot_report(report, out / "pareto.png"))
+    parent = study.user_attrs.get(PARENT_ATTR)
+    if track and parent:
+        from benchmarks.tracking import Tracker
+
+        tracker = Tracker(tracking_uri or study.user_attrs.get("tracking_uri"), report["config"]["experiment"])
+        tracker.log_artifacts(parent, paths)
+        table = {"trial": [], "group": [], "params": [], "ppl_rel_increase": [], "recovery": [], "best_in_group": []}
+        best_ids = {g["best"]["trial"] for g in report["groups"].values() if g["best"]}
+        for r in report["pareto_front"] + [g["best"] for g in report["groups"].values() if g["best"]]:
+            table["trial"].append(r["trial"])
+            table["group"].append(r["group"])
+            table["params"].append(json.dumps(r["params"]))
+            table["ppl_rel_increase"].append(r["ppl_rel_increase"])
+            table["recovery"].append(r["recovery"])
+            table["best_in_group"].append(r["trial"] in best_ids)
+        tracker.client.log_table(parent, table, "search_best_and_pareto.json")
+        metrics = {"trials_complete": report["counts"]["COMPLETE"], "trials_failed": report["counts"]["FAIL"],
+                   "question_reached": float(report["question"]["reached"])}
+        if report["best"]:
+            metrics.update(best_utility_loss=report["best"]["utility_loss"], best_recovery=report["best"]["recovery"],
+                           best_trial=report["best"]["trial"])
+        tracker.log_metrics(parent, metrics)
+        tracker.finish(parent)
+    report["text"] = text
+    report["out"] = str(out)
+    return report
+
+
+# --------------------------------------------------------------------------- the command
+def run_search(
+    storage: str,
+    study: str = "sipit-search",
+    n_trials: int = 30,
+    *,
+    model: str = "smollm2-135m",
+    layer: int = -1,
+    families: list[str] | str = FAMILIES,
+    mode: str = "constrained",
+    threshold: float = 0.01,
+    seed: int = 0,
+    prompts: str = "mixed",
+    n_prompts: int = 2,
+    length: int = 8,
+    utility_tokens: int = 128,
+    attacks: list[str] | str = "sipit",
+    budget: AttackBudget | dict | None = None,
+    sigma_low: float = 0.01,
+    sigma_high: float = 10.0,
+    tying_method: str = "rare",
+    workers: int = 1,
+    create_only: bool = False,
+    attach: bool = False,
+    report_only: bool = False,
+    worker_index: int = 0,
+    tracking_uri: str | None = None,
+    experiment: str = "sipit-search",
+    track: bool = True,
+    heartbeat_interval: int = 5,
+    grace_period: int = 30,
+    out: str | Path | None = None,
+    log=print,
+) -> dict:
+    """Create the study (unless ``attach``), run ``workers`` workers, write the report (unless attach).
+
+    Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``.
+    """
+    import optuna
+
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise SearchUsageError(f"--n-trials must be an int >= 1, got {n_trials!r}")
+    if workers < 0:
+        raise SearchUsageError(f"--workers must be >= 0, got {workers}")
+    if sum((create_only, attach, report_only)) > 1:
+        raise SearchUsageError("give at most one of --create-only, --attach, --report-only")
+    config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
+                         prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
+                         attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
+                         tying_method=tying_method, experiment=experiment)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                         tracking_uri=tracking_uri, experiment=experiment)
+    if attach or report_only:
+        try:
+            st = optuna.load_study(study_name=study, storage=store)
+        except KeyError:
+            raise SearchUsageError(f"study {study!r} does not exist in {storage}: create it first (--create-only)") from None
+        check_same_config(st.user_attrs["config"], config)
+    else:
+        st = create_study(store, study, config, tracking_uri=tracking_uri, track=track)
+        log(f"[search] study {study!r} ready in {storage} ({_counts(st)['COMPLETE']} complete trials)", file=sys.stderr)
+    result = {"study": study, "report": None, "ran": 0}
+    if not create_only and not report_only:
+        if workers == 1 or (attach and workers <= 1):
+            result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
+                                       track=track, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                       log=log)
+        elif workers > 1:
+            procs = [subprocess.Popen(worker_command(storage, study, n_trials, config, worker_index=worker_index + i,
+                                                     tracking_uri=tracking_uri, track=track,
+                                                     heartbeat_interval=heartbeat_interval, grace_period=grace_period))
+                     for i in range(workers)]
+            codes = [p.wait() for p in procs]
+            if any(codes):
+                log(f"[search] worker exit codes {codes}", file=sys.stderr)
+    result["counts"] = _counts(st)
+    if not attach and not create_only:
+        out_dir = Path(out) if out is not None else Path("results") / f"search-{study}"
+        result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
+    return result
+
+
+def worker_command(storage, study, n_trials, config, *, worker_index, tracking_uri, track, heartbeat_interval,
+                   grace_period) -> list[str]:
+    """The ``--attach`` command line of one worker subprocess (same configuration)."""
+    b = config["budget"]
+    cmd = [sys.executable, "-m", "benchmarks.search", "--storage", storage, "--study", study, "--n-trials", str(n_trials),
+           "--attach", "--workers", "1", "--worker-index", str(worker_index), "--model", config["model"],
+           "--layer", str(config["layer"]), "--families", ",".join(config["families"]), "--mode", config["mode"],
+           "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
+           "--n-prompts", str(config["n_prompts"]), "--length", str(config["length"]),
+           "--utility-tokens", str(config["utility_tokens"]), "--attacks", ",".join(config["attacks"]),
+           "--sigma-low", repr(config["sigma_low"]), "--sigma-high", repr(config["sigma_high"]),
+           "--tying-method", config["tying_method"], "--experiment", config["experiment"],
+           "--heartbeat-interval", str(heartbeat_interval), "--grace-period", str(grace_period),
+           "--budget", json.dumps(b)]
+    if tracking_uri:
+        cmd += ["--tracking-uri", tracking_uri]
+    if not track:
+        cmd.append("--no-tracking")
+    return cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.search", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--storage", required=True, help="journal file path (one machine) or RDB URL, e.g. postgresql://u:p@host/db")
+    p.add_argument("--study", default="sipit-search")
+    p.add_argument("--n-trials", type=int, default=30, help="target number of COMPLETE trials in the study")
+    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine (0: none)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--create-only", action="store_true", help="create storage, study and MLflow parent run, then stop")
+    steps.add_argument("--attach", action="store_true", help="only run workers against an existing study (no report)")
+    steps.add_argument("--report-only", action="store_true", help="only write the report of an existing study")
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    s = p.add_argument_group("search")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--layer", type=int, default=-1)
+    s.add_argument("--families", default=",".join(FAMILIES), help=f"comma list from {', '.join(FAMILIES)}")
+    s.add_argument("--mode", default="constrained", choices=MODES)
+    s.add_argument("--threshold", type=float, default=0.01, help="max recovery (token accuracy) of a feasible setting")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--prompts", default="mixed")
+    s.add_argument("--n-prompts", type=int, default=2)
+    s.add_argument("--length", type=int, default=8)
+    s.add_argument("--utility-tokens", type=int, default=128)
+    s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
+    s.add_argument("--budget", type=json.loads, default=None, help=f"attack budget JSON, default {AttackBudget().to_dict()}")
+    s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")
+    s.add_argument("--sigma-high", type=float, default=10.0)
+    s.add_argument("--tying-method", default="rare", choices=("rare", "kmeans"))
+    t = p.add_argument_group("tracking and output")
+    t.add_argument("--tracking-uri", default=None, help="MLflow tracking URI, e.g. http://mlflow-host:5000")
+    t.add_argument("--experiment", default="sipit-search")
+    t.add_argument("--no-tracking", dest="track", action="store_false")
+    t.add_argument("--heartbeat-interval", type=int, default=5)
+    t.add_argument("--grace-period", type=int, default=30)
+    t.add_argument("--out", default=None, help="report folder (default results/search-<study>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def log(*items, **kwargs):
+        print(*items, **kwargs, flush=True)
+
+    try:
+        result = run_search(**vars(args), log=log)
+    except SearchUsageError as err:
+        parser.error(str(err))
+    if result["report"] is not None:
+        print(result["report"]["text"])
+        print(f"report: {result['report']['out']}/report.md")
+    else:
+        print(f"study {result['study']}: {result['counts']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

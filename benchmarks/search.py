@@ -107,7 +107,9 @@ def _retry_callback(tracking_uri: str | None, experiment: str, max_retry: int):
     """Mark the stale trial's MLflow run FAILED, then re-queue its parameters (WAITING trial)."""
     from optuna.storages import RetryHeartbeatStaleTrialCallback
 
-    retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
 
     def callback(study, trial):
         run_id = trial.user_attrs.get("mlflow_run_id")
@@ -254,6 +256,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
                heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, log=print) -> int:
     """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran."""
     import optuna
+    from optuna.trial import TrialState
 
     from benchmarks.prompts import named_prompt_set
     from benchmarks.search_space import TrialContext, evaluate, suggest_setting
@@ -291,6 +294,12 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     who = f"{socket.gethostname()}:{os.getpid()}"
 
     def objective(trial):
+        # Two workers may both start the last trial: the later-numbered one stands down (PRUNED, not counted).
+        others = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+                  if t.number != trial.number and (t.state == TrialState.COMPLETE or t.number < trial.number)]
+        if len(others) >= n_trials:
+            trial.set_user_attr("stood_down", "target trial count reached by other workers")
+            raise optuna.TrialPruned()
         family, names, params = suggest_setting(trial, config["families"], vocab_size=vocab, length=config["length"],
                                                 sigma_low=config["sigma_low"], sigma_high=config["sigma_high"],
                                                 tying_method=config["tying_method"])
@@ -308,6 +317,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
         try:
             m = _reuse(study, trial) or evaluate(ctx, names, params)
         except BaseException as err:
+            trial.set_user_attr("error", f"{type(err).__name__}: {err}"[:2000])
             if child is not None:
                 _with_retries(lambda: tracker.set_tag(child, "failure", f"{type(err).__name__}: {err}"[:5000]))
                 _with_retries(lambda: tracker.client.set_terminated(child, status="FAILED"))
@@ -339,7 +349,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
             return m["utility_loss"], m["recovery"]
         return m["utility_loss"]
 
-    ran = 0
+    ran, failures, max_failures = 0, 0, 5
     while True:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -350,8 +360,14 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
         if c["COMPLETE"] + c["RUNNING"] >= n_trials and not c["WAITING"]:
             time.sleep(poll)  # the others will finish the study (or go stale and be retried)
             continue
-        study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+        before = _counts(study)["FAIL"]
+        # A setting that raises (e.g. a defence/attack combination a model does not support) is recorded
+        # as a FAIL trial with its error and the worker goes on; many failures in a row stop the worker.
+        study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=False)
         ran += 1
+        failures = failures + 1 if _counts(study)["FAIL"] > before else 0
+        if failures >= max_failures:
+            raise RuntimeError(f"{failures} trials in a row failed in this worker; see the trials' 'error' attribute")
     return ran
 
 

@@ -31,8 +31,9 @@ Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer)
 Candidate restriction (HEURISTIC unless ``exact=True``): MAP, beam and NN-``shortlist`` score a
 shortlist per position: the prior's top ``k_prior`` tokens, then ``rounds`` rounds of the
 gradient ranking (attacks.policies.GradientPolicy.gradient_order) anchored at the nearest token
-found so far, ``k_grad`` new tokens each. The true token can fall outside it; benchmarks.noise
-measures how often. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
+found so far, ``k_grad`` new tokens each; then up to ``extra_rounds`` more rounds (doubling in
+size) while the nearest so far is implausible under the chi2 noise model. The true token can
+still fall outside it; benchmarks.noise measures how often. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
 """
 
 from __future__ import annotations
@@ -90,14 +91,15 @@ class CandidateScorer:
     """Scores candidates at one position: the full vocabulary (exact) or the shortlist."""
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024):
-        if k_prior < 0 or k_grad < 1 or rounds < 0:
-            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0")
+                 chunk: int = 1024, extra_rounds: int = 4, alpha: float = 1e-3):
+        if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0:
+            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
+        self.extra_rounds, self.alpha = extra_rounds, alpha
         self._gradient = GradientPolicy()
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
-              prior_logprobs: torch.Tensor | None) -> Scored:
+              prior_logprobs: torch.Tensor | None, sigma: float | None = None) -> Scored:
         if self.exact:
             dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
@@ -119,11 +121,18 @@ class CandidateScorer:
             run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
         else:
             run(self._gradient.gradient_order(ctx)[: self.k_grad].cpu())
-        for _ in range(self.rounds):
+        extra, size = 0, self.k_grad
+        for r in range(self.rounds + self.extra_rounds):
             all_c, all_d = torch.cat(cands), torch.cat(dists)
+            if r >= self.rounds:
+                # Extra rounds only while the nearest so far is implausible under the noise model
+                # (the true token is then probably not in the shortlist yet); batches double.
+                if sigma is None or not implausible(float(all_d.min()) ** 2, sigma, whitebox.d, self.alpha):
+                    break
+                size *= 2
             ctx.anchor = int(all_c[all_d.argmin()])
             order = self._gradient.gradient_order(ctx).cpu()
-            run(order[~tried[order]][: self.k_grad])
+            run(order[~tried[order]][:size])
         return Scored(torch.cat(cands), torch.cat(dists))
 
 
@@ -148,7 +157,7 @@ class _Greedy:
         raise NotImplementedError
 
     def decode_position(self, whitebox, prefix, target, prior, sigma, radius) -> tuple[int, float, int]:
-        scored = self.scorer.score(whitebox, prefix, target, prior)
+        scored = self.scorer.score(whitebox, prefix, target, prior, sigma)
         self.last_candidates.append(scored.candidates)
         j = self.choose(scored, prior, sigma)
         return int(scored.candidates[j]), float(scored.distances[j]), int(scored.candidates.numel())
@@ -183,10 +192,11 @@ class NearestNeighbour(_Greedy):
     def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
                  alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
                  max_candidates: int | None = None, chunk: int = 1024, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, progress: bool = False):
+                 rounds: int = 1, extra_rounds: int = 4, progress: bool = False):
         if stop not in STOP_RULES:
             raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
-        scorer = CandidateScorer(exact=stop == "exact", k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+        scorer = CandidateScorer(exact=stop == "exact", k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
+                                 extra_rounds=extra_rounds, alpha=alpha)
         super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
         self.stop = stop
         self.uses_prior = stop != "exact"  # the prior only orders candidates, never decides
@@ -230,8 +240,10 @@ class MapDecoder(_Greedy):
     uses_prior = True
 
     def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
-                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, progress: bool = False):
-        scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, extra_rounds: int = 4,
+                 progress: bool = False):
+        scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
+                                 extra_rounds=extra_rounds, alpha=alpha)
         super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
 
     def choose(self, scored: Scored, prior, sigma: float) -> int:
@@ -273,18 +285,20 @@ class BeamSipIt:
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, progress: bool = False):
+                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, extra_rounds: int = 4,
+                 progress: bool = False):
         _check(sigma, alpha)
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
-        self.scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk)
+        self.scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
+                                      extra_rounds=extra_rounds, alpha=alpha)
         self.backtracks = 0  # of the last call
 
     def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius) -> list[_Pending]:
         prior = hyp.prior.logprobs if hyp.prior is not None else None
-        scored = self.scorer.score(whitebox, hyp.prefix, target, prior)
+        scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma)
         loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
         k = min(self.width, loglik.numel())
         top = torch.topk(loglik, k).indices

@@ -91,7 +91,7 @@ class CandidateScorer:
     """Scores candidates at one position: the full vocabulary (exact) or the shortlist."""
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024, extra_rounds: int = 4, alpha: float = 1e-3):
+                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3):
         if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0:
             raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
@@ -192,7 +192,7 @@ class NearestNeighbour(_Greedy):
     def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
                  alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
                  max_candidates: int | None = None, chunk: int = 1024, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, extra_rounds: int = 4, progress: bool = False):
+                 rounds: int = 1, extra_rounds: int = 3, progress: bool = False):
         if stop not in STOP_RULES:
             raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
         scorer = CandidateScorer(exact=stop == "exact", k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
@@ -240,7 +240,7 @@ class MapDecoder(_Greedy):
     uses_prior = True
 
     def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
-                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, extra_rounds: int = 4,
+                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, extra_rounds: int = 3,
                  progress: bool = False):
         scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
                                  extra_rounds=extra_rounds, alpha=alpha)
@@ -285,7 +285,7 @@ class BeamSipIt:
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, extra_rounds: int = 4,
+                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, extra_rounds: int = 3,
                  progress: bool = False):
         _check(sigma, alpha)
         if width < 1:
@@ -296,9 +296,9 @@ class BeamSipIt:
                                       extra_rounds=extra_rounds, alpha=alpha)
         self.backtracks = 0  # of the last call
 
-    def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius) -> list[_Pending]:
+    def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius, widen: bool = True) -> list[_Pending]:
         prior = hyp.prior.logprobs if hyp.prior is not None else None
-        scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma)
+        scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma if widen else None)
         loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
         k = min(self.width, loglik.numel())
         top = torch.topk(loglik, k).indices
@@ -333,7 +333,9 @@ class BeamSipIt:
         while len(beams) <= T:
             t = len(beams) - 1  # decode position t from beams[t]
             t0 = time.perf_counter()
-            pending = [c for h in beams[t] for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t])]
+            # Only the best hypothesis widens its shortlist (extra rounds); the others keep the base one.
+            pending = [c for i, h in enumerate(beams[t])
+                       for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t], widen=i == 0)]
             heapq.heapify(pending)
             # Backtracking: while the best squared distance at t is implausible, revive the next
             # pruned alternatives for position t-1 (reserve[t]) into the competition; the summed
@@ -346,7 +348,7 @@ class BeamSipIt:
                 revived = [self._materialise(p, whitebox, radii[t - 1], 0.0, False) for p in took]
                 beams[t].extend(revived)
                 for h in revived:
-                    for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t]):
+                    for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t], widen=False):
                         heapq.heappush(pending, c)
             took = [heapq.heappop(pending) for _ in range(min(self.width, len(pending)))]
             secs = (time.perf_counter() - t0) / max(len(beams[t]), 1)

@@ -32,7 +32,7 @@ def test_cli_end_to_end_noise_then_mlflow_reads_back(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "finished"
     sipit, head = results["attacks"]["sipit"], results["attacks"]["softmax-head"]
-    assert sipit["decoder"].startswith("MapDecoder") and sipit["n_tokens"] == 24
+    assert sipit["decoder"].startswith("NearestNeighbour") and sipit["n_tokens"] == 24
     # Noise well inside Delta/2 (theorem regime): SipIt recovers, the fixed head does not.
     assert results["margins"]["median_noise_norm"] < results["margins"]["median_half_delta"]
     assert sipit["token_accuracy"] >= 0.95 and sipit["token_accuracy"] > head["token_accuracy"]

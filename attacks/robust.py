@@ -33,7 +33,9 @@ shortlist per position: the prior's top ``k_prior`` tokens, then ``rounds`` roun
 gradient ranking (attacks.policies.GradientPolicy.gradient_order) anchored at the nearest token
 found so far, ``k_grad`` new tokens each; then up to ``extra_rounds`` more rounds (doubling in
 size) while the nearest so far is implausible under the chi2 noise model. The true token can
-still fall outside it; benchmarks.noise measures how often. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
+still fall outside it; benchmarks.noise measures how often. Position 0 (empty prefix) is scored
+exactly over the whole vocabulary from a cache computed once per (model, layer)
+(``exact_first``): on smollm2 the first token was missed by every shortlist we tried. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +57,8 @@ from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
 from sipit.whitebox import PrefixCache, WhiteBox
 
 STOP_RULES = ("exact", "heuristic", "shortlist")
+# Position-0 states of every token, shared by all decoders on one WhiteBox: {whitebox: {layer: (V, d)}}.
+_FIRST_STATES: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def chi2_radius(sigma: float, d: int, alpha: float) -> float:
@@ -91,17 +96,32 @@ class CandidateScorer:
     """Scores candidates at one position: the full vocabulary (exact) or the shortlist."""
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3):
+                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_first: bool = True):
         if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0:
             raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
         self.extra_rounds, self.alpha = extra_rounds, alpha
+        self.exact_first = exact_first
         self._gradient = GradientPolicy()
+
+    def first_states(self, whitebox: WhiteBox, prefix: PrefixCache) -> torch.Tensor:
+        """mu_{empty,v} for every v: prefix-free, so computed once per (model, layer) and reused."""
+        per_layer = _FIRST_STATES.setdefault(whitebox, {})
+        if prefix.layer not in per_layer:
+            with torch.no_grad():
+                per_layer[prefix.layer] = torch.cat([whitebox.step(prefix, c).states
+                                                     for c in torch.arange(whitebox.vocab_size).split(self.chunk)])
+        return per_layer[prefix.layer]
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
               prior_logprobs: torch.Tensor | None, sigma: float | None = None) -> Scored:
         if self.exact:
             dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
+            return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
+        if self.exact_first and prefix.length == 0:
+            # Position 0 has no prefix and the prior knows little about a first token: score the
+            # whole vocabulary from a per-(model, layer) cache (exact at position 0, paid once).
+            dist = (self.first_states(whitebox, prefix) - target).norm(dim=-1).float()
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
         tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
         cands: list[torch.Tensor] = []

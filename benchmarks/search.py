@@ -292,6 +292,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
     vocab = ctx.clean_wb.vocab_size
     who = f"{socket.gethostname()}:{os.getpid()}"
+    study.set_user_attr(f"worker:{who}", time.time())  # who attached to the study, and when
 
     def objective(trial):
         # Two workers may both start the last trial: the later-numbered one stands down (PRUNED, not counted).

@@ -197,22 +197,22 @@ def write_outputs(out: Path, state: _State) -> list[Path]:
     paths.append(plots.delta_distribution(margins.get("deltas", []), margins.get("noise_norms_all", []),
                                           out / "delta_distribution.png", title))
     results = out / "results.json"
-    results.write_text(json.dumps(state.results, indent=2, default=str, allow_nan=False if False else True))
+    results.write_text(json.dumps(state.results, indent=2, default=str))
     paths.append(results)
     return paths
 
 
 def format_table(results: dict) -> str:
     lines = [results.get("title", ""), ""]
-    head = f"{'attack':<24} {'decoder':<26} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
+    head = f"{'attack':<24} {'decoder':<32} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
     lines += [head, "-" * len(head)]
     for name, s in results.get("attacks", {}).items():
         if "exact_match" not in s:
-            lines.append(f"{name:<24} {s.get('decoder', ''):<26} {'(not run: ' + s.get('skipped', '') + ')'}")
+            lines.append(f"{name:<24} {s.get('decoder', ''):<32} {'(not run: ' + s.get('skipped', '') + ')'}")
             continue
         acc = f"{s['token_accuracy']:.3f} ± {s['token_accuracy_se']:.3f} ({s['n_tokens']}/{s['n_prompts']})"
         exact = f"{s['exact_match']:.2f} ± {s['exact_match_se']:.2f}"
-        lines.append(f"{name:<24} {s.get('decoder', '')[:26]:<26} {exact:>13} {acc:>32} "
+        lines.append(f"{name:<24} {s.get('decoder', '')[:32]:<32} {exact:>13} {acc:>32} "
                      f"{s['seconds_per_prompt']:>9.3g} {s['candidates_per_position']:>9.1f}")
     u = results.get("utility") or {}
     if u:

@@ -111,8 +111,13 @@ class WhiteBox:
         if not isinstance(states, torch.Tensor):
             raise SipitInputError(f"states must be a torch.Tensor, got {type(states).__name__}")
         if states.dim() != 2 or states.shape[1] != self.d:
+            hint = (
+                " (a pooled exposure holds no per-position states: per-position attacks cannot run "
+                "on it; use defenses.pooled_attack.PooledBeamAttack)"
+                if states.dim() == 3 else ""
+            )
             raise SipitInputError(
-                f"states must have shape (T, {self.d}) for this model, got {tuple(states.shape)}"
+                f"states must have shape (T, {self.d}) for this model, got {tuple(states.shape)}{hint}"
             )
         if states.shape[0] == 0:
             raise SipitInputError("states hold no positions: there is nothing to invert")

@@ -212,7 +212,7 @@ def test_pooled_shapes_and_sipit_refuses(llama):
         d = make_defense("pooling", mode=mode, over=over, k=k, g=g)
         pooled = d.expose(states)
         assert tuple(pooled.shape) == shape and not d.per_position
-        with pytest.raises(SipitInputError, match="shape"):
+        with pytest.raises(SipitInputError, match="pooled exposure holds no per-position states"):
             SipIt(GradientPolicy()).invert(pooled, wb, 2, llama.tokenizer)
         with pytest.raises(PooledExposureError, match="PooledBeamAttack"):
             require_per_position(d, "SipIt")

@@ -98,7 +98,7 @@ class TrialContext:
     """What every trial of one worker shares: model, layer, prompts, seeds, budgets."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
-                 attacks: list[str], budget: AttackBudget, robust: str = "map"):
+                 attacks: list[str], budget: AttackBudget, robust: str = "radius"):
         from sipit.whitebox import WhiteBox
 
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids

@@ -70,13 +70,8 @@ class WhiteBox:
         self.embedding: nn.Module = model.get_input_embeddings()
         self.vocab_size: int = int(self.embedding.weight.shape[0])
         self.d: int = int(text_config.hidden_size)
-        self.blocks_run = 0
         self._token_embeddings: torch.Tensor | None = None
-        for block in self.blocks:
-            block.register_forward_hook(self._count_block)
-
-    def _count_block(self, module: nn.Module, args: tuple, output: object) -> None:
-        self.blocks_run += 1
+        self.blocks_run = 0  # blocks completed by this WhiteBox's forward passes (for tests)
 
     @property
     def device(self) -> torch.device:
@@ -143,6 +138,12 @@ class WhiteBox:
     ) -> torch.Tensor:
         """Run ``embeds`` (B, n, d) at positions ``start..start+n-1`` up to ``layer``; return (B, n, d)."""
         captured: dict[str, torch.Tensor] = {}
+
+        def count(module, args, output):
+            self.blocks_run += 1
+
+        # registered first, so they run before the hook that stops the pass
+        counters = [block.register_forward_hook(count) for block in self.blocks]
         if layer == 0:
 
             def grab_input(module, args, kwargs):
@@ -170,6 +171,8 @@ class WhiteBox:
             pass
         finally:
             handle.remove()
+            for counter in counters:
+                counter.remove()
         if "h" not in captured:
             raise RuntimeError("the forward pass ended before reaching the requested layer")
         return captured["h"]

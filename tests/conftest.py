@@ -21,3 +21,12 @@ def tiny_llama():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: on 2 shared cores, oversubscribed threads make tiny steps ~20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,23 +7,9 @@ import torch
 
 from attacks.robust import NearestNeighbour
 from sipit.margins import distances_to_all, margins
-from sipit.models import load_model
-from sipit.whitebox import WhiteBox
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 shared cores: oversubscribed intra-op threads make tiny-model steps ~20x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
-def tiny(request):
-    lm = load_model(request.param)
-    return lm, WhiteBox(lm.model)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompt(lm, n=5):

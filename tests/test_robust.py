@@ -8,22 +8,9 @@ import pytest
 import torch
 
 from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour, chi2_radius, implausible
-from sipit.models import load_model
-from sipit.whitebox import WhiteBox
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
-def tiny(request):
-    lm = load_model(request.param)
-    return lm, WhiteBox(lm.model)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sampled_prompts(lm, n: int, length: int, seed: int) -> list[list[int]]:

@@ -43,14 +43,7 @@ def recovery_vs_ratio(rows: list[dict], path: Path, title: str = "") -> Path:
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("||n_t|| / (Delta_t / 2)")
     ax.set_ylabel("fraction of positions recovered")
-    ax.set_title(title or "recovery vs noise / half-margin")
-    if not usable:
-        ax.text(0.5, 0.5, "no margins computed", ha="center", va="center", transform=ax.transAxes)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title or "recovery vs noise / half-margin", empty=not usable)
 
 
 def delta_distribution(deltas: list[float], noise_norms: list[float], path: Path, title: str = "") -> Path:
@@ -64,8 +57,13 @@ def delta_distribution(deltas: list[float], noise_norms: list[float], path: Path
         ax.axvline(2 * med, color="tab:red", linestyle="--", label=f"2 x median ||n|| = {2 * med:.3g}")
     ax.set_xlabel("Delta_t = min_{v != s_t} ||mu_{p,v} - mu_{p,s_t}||")
     ax.set_ylabel("positions")
-    ax.set_title(title or "margin distribution")
-    if not deltas:
+    return _finish(fig, ax, path, title or "margin distribution", empty=not deltas)
+
+
+def _finish(fig, ax, path: Path, title: str, *, empty: bool) -> Path:
+    """Title, legend, a note when there was nothing to plot; save as PNG and close."""
+    ax.set_title(title)
+    if empty:
         ax.text(0.5, 0.5, "no margins computed", ha="center", va="center", transform=ax.transAxes)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -29,13 +29,13 @@ Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer)
   equally bad) leaves the best prefix in place. Backtracking reaches one position back.
 
 Candidate restriction (HEURISTIC unless ``exact=True``): MAP, beam and NN-``shortlist`` score a
-shortlist per position: the prior's top ``k_prior`` tokens, then ``rounds`` rounds of the
-gradient ranking (attacks.policies.GradientPolicy.gradient_order) anchored at the nearest token
-found so far, ``k_grad`` new tokens each; then up to ``extra_rounds`` more rounds (doubling in
-size) while the nearest so far is implausible under the chi2 noise model. The true token can
-still fall outside it; benchmarks.noise measures how often. Position 0 (empty prefix) is scored
-exactly over the whole vocabulary from a cache computed once per (model, layer)
-(``exact_first``): on smollm2 the first token was missed by every shortlist we tried. ``exact=True`` scores the full vocabulary (cheap on tiny models only).
+shortlist per position (:class:`CandidateScorer`): the prior's top ``k_prior`` tokens, the
+tokens a linear surrogate of Phi^l is fitted on, and the surrogate's nearest predictions
+(attacks.surrogate; re-fitted once around the target), widened while the nearest so far is
+implausible under the chi2 noise model. The true token can still fall outside it;
+benchmarks.noise measures how often. Position 0 (empty prefix) is scored exactly over the whole
+vocabulary from a cache computed once per (model, layer) (``exact_first``). ``exact=True``
+scores the full vocabulary (T x V steps: cheap on tiny models only).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -51,14 +50,14 @@ from scipy.stats import chi2
 
 from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
+from attacks.surrogate import LinearSurrogate, SurrogateFit, first_token_states
 from sipit.margins import distances_to_all
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
 from sipit.whitebox import PrefixCache, WhiteBox
 
 STOP_RULES = ("exact", "heuristic", "shortlist")
-# Position-0 states of every token, shared by all decoders on one WhiteBox: {whitebox: {layer: (V, d)}}.
-_FIRST_STATES: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+RANKINGS = ("surrogate", "gradient")
 
 
 def chi2_radius(sigma: float, d: int, alpha: float) -> float:
@@ -93,67 +92,141 @@ class Scored:
 
 
 class CandidateScorer:
-    """Scores candidates at one position: the full vocabulary (exact) or the shortlist."""
+    """Scores candidates at one position: the full vocabulary (exact) or a shortlist.
+
+    Shortlist (``ranking="surrogate"``, the default): the prior's top ``k_prior`` tokens, the
+    ``n_fit`` tokens the linear surrogate is fitted on (attacks.surrogate; memoised per prefix),
+    the surrogate's top ``k_proxy``, then, after re-fitting on the verified tokens nearest to h~
+    and re-ranking the first ranking's best ``n_rerank``, the next ``k_proxy``; then up to ``extra_rounds`` more rounds (doubling)
+    while the nearest so far is implausible under the chi2 noise model. ``ranking="gradient"``:
+    prior top ``k_prior`` then ``rounds`` rounds of ``k_grad`` from the gradient ranking (the
+    earlier shortlist; measured far weaker under noise, notes/issue-4.md).
+    """
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_first: bool = True):
-        if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0:
-            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0")
+                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_first: bool = True,
+                 ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096):
+        if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0 or k_proxy < 1:
+            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0, k_proxy >= 1")
+        if ranking not in RANKINGS:
+            raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
-        self.extra_rounds, self.alpha = extra_rounds, alpha
-        self.exact_first = exact_first
+        self.extra_rounds, self.alpha, self.exact_first, self.ranking = extra_rounds, alpha, exact_first, ranking
+        self.k_proxy, self.n_rerank = k_proxy, n_rerank
+        self.surrogate = LinearSurrogate(n_fit=n_fit, chunk=chunk)
         self._gradient = GradientPolicy()
-
-    def first_states(self, whitebox: WhiteBox, prefix: PrefixCache) -> torch.Tensor:
-        """mu_{empty,v} for every v: prefix-free, so computed once per (model, layer) and reused."""
-        per_layer = _FIRST_STATES.setdefault(whitebox, {})
-        if prefix.layer not in per_layer:
-            with torch.no_grad():
-                per_layer[prefix.layer] = torch.cat([whitebox.step(prefix, c).states
-                                                     for c in torch.arange(whitebox.vocab_size).split(self.chunk)])
-        return per_layer[prefix.layer]
+        self._last_fit: SurrogateFit | None = None  # the latest own fit, lent to beam siblings
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
-              prior_logprobs: torch.Tensor | None, sigma: float | None = None) -> Scored:
+              prior_logprobs: torch.Tensor | None, sigma: float | None = None, borrow: bool = False) -> Scored:
+        """Exact distances of the shortlist (or of every token) to ``target``.
+
+        ``sigma`` enables the extra rounds; ``borrow`` lets a prefix with no memoised surrogate
+        fit rank with the latest fit of the same length (beam siblings differ in a token or two).
+        """
         if self.exact:
             dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
         if self.exact_first and prefix.length == 0:
             # Position 0 has no prefix and the prior knows little about a first token: score the
             # whole vocabulary from a per-(model, layer) cache (exact at position 0, paid once).
-            dist = (self.first_states(whitebox, prefix) - target).norm(dim=-1).float()
+            dist = (first_token_states(whitebox, prefix.layer, self.chunk) - target).norm(dim=-1).float()
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
-        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
-        cands: list[torch.Tensor] = []
-        dists: list[torch.Tensor] = []
-
-        def run(ids: torch.Tensor) -> None:
-            ids = ids[~tried[ids]]
-            if ids.numel() == 0:
-                return
-            states = whitebox.step(prefix, ids).states
-            tried[ids] = True
-            cands.append(ids.cpu())
-            dists.append((states - target).norm(dim=-1).float().cpu())
-
-        ctx = StepContext(whitebox, prefix, target, prior_logprobs, torch.Generator())
+        shortlist = _Shortlist(whitebox, prefix, target)
         if prior_logprobs is not None and self.k_prior > 0:
-            run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
+            shortlist.run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
+        if self.ranking == "gradient":
+            self._gradient_rounds(shortlist, prior_logprobs, sigma)
         else:
-            run(self._gradient.gradient_order(ctx)[: self.k_grad].cpu())
-        extra, size = 0, self.k_grad
+            self._surrogate_rounds(shortlist, sigma, borrow)
+        return shortlist.scored()
+
+    def _implausible(self, shortlist: "_Shortlist", sigma: float | None) -> bool:
+        return sigma is not None and implausible(shortlist.best_distance() ** 2, sigma, shortlist.whitebox.d, self.alpha)
+
+    def _surrogate_rounds(self, shortlist: "_Shortlist", sigma: float | None, borrow: bool) -> None:
+        wb, prefix = shortlist.whitebox, shortlist.prefix
+        lent = self._last_fit
+        if borrow and lent is not None and lent.length == prefix.length and not self.surrogate.has_fit(wb, prefix):
+            fit = lent  # ranks only: its sample states belong to another prefix and are not scored here
+        else:
+            fit = self._last_fit = self.surrogate.fit(wb, prefix)
+            shortlist.add(fit.sample.cpu(), fit.sample_states)
+        order = torch.argsort(self.surrogate.predicted_sq_distances(wb, fit, shortlist.target)).cpu()
+        shortlist.run(shortlist.untried(order, self.k_proxy))
+        # Re-rank the best n_rerank of the first ranking with a map re-fitted around the target.
+        pool = shortlist.untried(order, self.n_rerank)
+        coef = self.surrogate.refine(wb, fit, *shortlist.nearest(self.k_proxy))
+        pool = pool[torch.argsort(self.surrogate.subset_sq_distances(wb, fit.layer, coef, pool, shortlist.target).cpu())]
+        in_pool = torch.zeros(wb.vocab_size, dtype=torch.bool)
+        in_pool[pool] = True
+        order = torch.cat([pool, order[~in_pool[order]]])  # the rest keeps the first ranking
+        shortlist.run(shortlist.untried(order, self.k_proxy))
+        size = self.k_proxy
+        for _ in range(self.extra_rounds):
+            if not self._implausible(shortlist, sigma):
+                break
+            size *= 2
+            shortlist.run(shortlist.untried(order, size))
+
+    def _gradient_rounds(self, shortlist: "_Shortlist", prior_logprobs: torch.Tensor | None, sigma: float | None) -> None:
+        ctx = StepContext(shortlist.whitebox, shortlist.prefix, shortlist.target, prior_logprobs, torch.Generator())
+        if not shortlist.ids:
+            shortlist.run(self._gradient.gradient_order(ctx)[: self.k_grad].cpu())
+        size = self.k_grad
         for r in range(self.rounds + self.extra_rounds):
-            all_c, all_d = torch.cat(cands), torch.cat(dists)
             if r >= self.rounds:
                 # Extra rounds only while the nearest so far is implausible under the noise model
                 # (the true token is then probably not in the shortlist yet); batches double.
-                if sigma is None or not implausible(float(all_d.min()) ** 2, sigma, whitebox.d, self.alpha):
+                if not self._implausible(shortlist, sigma):
                     break
                 size *= 2
-            ctx.anchor = int(all_c[all_d.argmin()])
-            order = self._gradient.gradient_order(ctx).cpu()
-            run(order[~tried[order]][:size])
-        return Scored(torch.cat(cands), torch.cat(dists))
+            ctx.anchor = shortlist.best_token()
+            shortlist.run(shortlist.untried(self._gradient.gradient_order(ctx).cpu(), size))
+
+
+class _Shortlist:
+    """The candidates verified so far at one position, with their exact states and distances."""
+
+    def __init__(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor):
+        self.whitebox, self.prefix, self.target = whitebox, prefix, target
+        self.tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
+        self.ids: list[torch.Tensor] = []
+        self.states: list[torch.Tensor] = []
+
+    def untried(self, order: torch.Tensor, n: int) -> torch.Tensor:
+        return order[~self.tried[order]][:n]
+
+    def add(self, ids: torch.Tensor, states: torch.Tensor) -> None:
+        """Record exactly computed states (those already recorded are skipped)."""
+        new = ~self.tried[ids]
+        if bool(new.any()):
+            self.tried[ids[new]] = True
+            self.ids.append(ids[new])
+            self.states.append(states[new.to(states.device)])
+
+    def run(self, ids: torch.Tensor) -> None:
+        """Compute the states of ``ids`` on the prefix (one batched step) and record them."""
+        ids = ids[~self.tried[ids]]
+        if ids.numel():
+            self.add(ids, self.whitebox.step(self.prefix, ids).states)
+
+    def distances(self) -> torch.Tensor:
+        return (torch.cat(self.states) - self.target).norm(dim=-1).float().cpu()
+
+    def best_distance(self) -> float:
+        return float(self.distances().min())
+
+    def best_token(self) -> int:
+        return int(torch.cat(self.ids)[self.distances().argmin()])
+
+    def nearest(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` recorded tokens nearest to the target, with their states."""
+        pick = torch.argsort(self.distances())[:k]
+        return torch.cat(self.ids)[pick], torch.cat(self.states)[pick.to(self.states[0].device)]
+
+    def scored(self) -> Scored:
+        return Scored(torch.cat(self.ids), self.distances())
 
 
 def _inversion(records: list[PositionRecord], started: float, whitebox: WhiteBox, tokenizer) -> Inversion:
@@ -211,12 +284,11 @@ class NearestNeighbour(_Greedy):
 
     def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
                  alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
-                 max_candidates: int | None = None, chunk: int = 1024, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, extra_rounds: int = 3, progress: bool = False):
+                 max_candidates: int | None = None, progress: bool = False, **shortlist):
+        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
         if stop not in STOP_RULES:
             raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
-        scorer = CandidateScorer(exact=stop == "exact", k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
-                                 extra_rounds=extra_rounds, alpha=alpha)
+        scorer = CandidateScorer(exact=stop == "exact", alpha=alpha, **shortlist)
         super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
         self.stop = stop
         self.uses_prior = stop != "exact"  # the prior only orders candidates, never decides
@@ -260,10 +332,9 @@ class MapDecoder(_Greedy):
     uses_prior = True
 
     def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
-                 k_prior: int = 32, k_grad: int = 32, rounds: int = 1, chunk: int = 1024, extra_rounds: int = 3,
-                 progress: bool = False):
-        scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
-                                 extra_rounds=extra_rounds, alpha=alpha)
+                 progress: bool = False, **shortlist):
+        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
+        scorer = CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
 
     def choose(self, scored: Scored, prior, sigma: float) -> int:
@@ -304,21 +375,22 @@ class BeamSipIt:
     name = "beam"
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
-                 *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, k_prior: int = 32, k_grad: int = 32,
-                 rounds: int = 1, chunk: int = 1024, max_backtracks: int = 8, extra_rounds: int = 3,
-                 progress: bool = False):
+                 *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
+                 progress: bool = False, **shortlist):
+        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
         _check(sigma, alpha)
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
-        self.scorer = CandidateScorer(exact=exact, k_prior=k_prior, k_grad=k_grad, rounds=rounds, chunk=chunk,
-                                      extra_rounds=extra_rounds, alpha=alpha)
+        self.scorer = CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         self.backtracks = 0  # of the last call
 
     def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius, widen: bool = True) -> list[_Pending]:
+        """Score hyp's children. Only the best hypothesis (``widen``) gets extra rounds and its own
+        surrogate fit; the others rank with the fit it lent (attacks.surrogate)."""
         prior = hyp.prior.logprobs if hyp.prior is not None else None
-        scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma if widen else None)
+        scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma if widen else None, borrow=not widen)
         loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
         k = min(self.width, loglik.numel())
         top = torch.topk(loglik, k).indices

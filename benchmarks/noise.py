@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour
+from attacks.robust import RANKINGS, BeamSipIt, MapDecoder, NearestNeighbour
 from benchmarks.margins_table import load_ids
 from sipit.margins import _chunks
 from sipit.models import DEFAULT_MODEL, load_model
@@ -48,9 +48,12 @@ def all_states(wb: WhiteBox, prefix, chunk: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> list[dict]:
-    """Part A: exact Delta_t, exact NN and MAP on the true prefix, theorem asserted."""
-    rows = []
+def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> tuple[list[dict], dict]:
+    """Part A: exact Delta_t, exact NN and MAP on the true prefix, theorem asserted.
+
+    Returns the rows and the full-vocabulary state tables ``{(prompt, position): (V, d)}`` (part B
+    uses them to check its shortlist decoders against the exact nearest neighbour)."""
+    rows, tables = [], {}
     g = torch.Generator().manual_seed(seed + 1)
     for p, ids in enumerate(prompts):
         h = wb.states(ids, layer)
@@ -58,7 +61,7 @@ def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> lis
         prior = NextTokenPrior(wb.model)
         for t in range(min(positions, len(ids))):
             s = ids[t]
-            mu = all_states(wb, prefix, chunk)
+            mu = tables[(p, t)] = all_states(wb, prefix, chunk)
             d_true = (mu - mu[s]).norm(dim=-1)
             d_true[s] = math.inf
             delta, competitor = float(d_true.min()), int(d_true.argmin())
@@ -83,19 +86,30 @@ def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> lis
             prefix = wb.extend(prefix, s)
             prior.push(s)
             print(f"  exact: prompt {p} position {t} Delta={delta:.4g}", flush=True)
-    return rows
+    return rows, tables
+
+
+DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")
 
 
 def decoders(sigma: float, args) -> list:
-    kw = dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds)
-    return [NearestNeighbour(stop="shortlist", sigma=sigma, **kw),
-            NearestNeighbour(stop="heuristic", sigma=sigma, max_candidates=args.k_prior + args.rounds * args.k_grad),
-            MapDecoder(sigma, **kw),
-            BeamSipIt(sigma, width=args.width, prior=True, backtrack=True, **kw)]
+    """The free-running decoders named in ``args.decoders``, all on the same shortlist settings."""
+    kw = dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds, ranking=args.ranking,
+              n_fit=args.n_fit, k_proxy=args.k_proxy)
+    make = {"nn-shortlist": lambda: NearestNeighbour(stop="shortlist", sigma=sigma, **kw),
+            "nn-heuristic": lambda: NearestNeighbour(stop="heuristic", sigma=sigma,
+                                                     max_candidates=args.k_prior + args.rounds * args.k_grad),
+            "map": lambda: MapDecoder(sigma, **kw),
+            "beam": lambda: BeamSipIt(sigma, width=args.width, prior=True, backtrack=True, **kw)}
+    return [make[name]() for name in args.decoders]
 
 
-def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None) -> list[dict]:
-    """Part B: free-running decoders, one shared noise draw per (prompt, sigma)."""
+def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None) -> list[dict]:
+    """Part B: free-running decoders, one shared noise draw per (prompt, sigma).
+
+    Where part A holds the full-vocabulary table of a (prompt, position) and the decoded prefix is
+    correct, the row also records the exact nearest neighbour of the same observed state."""
+    tables = tables or {}
     rows = []
     for si, sigma in enumerate(sigmas):
         started = time.perf_counter()
@@ -110,13 +124,18 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None) -> 
                     prefix_ok = inv.ids[:t] == ids[:t]
                     delta = deltas.get((p, t))
                     n_norm = float(noise[t].norm())
+                    table = tables.get((p, t)) if prefix_ok else None
+                    exact_nn = int((table - (h[t] + noise[t])).norm(dim=-1).argmin()) if table is not None else None
                     rows.append({"decoder": dec.name, "sigma": sigma, "prompt": p, "position": t,
                                  "token": rec.token, "true": ids[t], "correct": rec.token == ids[t],
                                  "prefix_correct": prefix_ok, "noise": n_norm,
                                  "ratio": n_norm / (delta / 2) if delta else None,
                                  "in_radius": rec.verified, "candidates": rec.candidates_tried,
                                  "in_shortlist": bool((cands[t] == ids[t]).any()) if cands and prefix_ok else None,
+                                 "exact_nn": exact_nn,
+                                 "agrees_exact_nn": rec.token == exact_nn if exact_nn is not None else None,
                                  "seconds": rec.seconds})
+            print(f"  free: sigma={sigma} prompt {p} done ({time.perf_counter() - started:.0f} s)", flush=True)
         print(f"  free: sigma={sigma} done in {time.perf_counter() - started:.0f} s", flush=True)
         if on_sigma is not None:
             on_sigma(sigmas[: si + 1], rows)
@@ -129,7 +148,7 @@ def _mean(xs) -> float:
 
 
 def summarise(exact_rows, free_rows, sigmas, d) -> dict:
-    names = sorted({r["decoder"] for r in free_rows}, key=["nn-shortlist", "nn-heuristic", "map", "beam"].index)
+    names = sorted({r["decoder"] for r in free_rows}, key=DECODERS.index)
     by_sigma = {}
     for sigma in sigmas:
         row = {"sigma": sigma, "sigma_sqrt_d": sigma * math.sqrt(d)}
@@ -146,6 +165,10 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
         row["true_outside_shortlist"] = 1 - _mean(sl) if sl else float("nan")
         he = [r for r in free_rows if r["decoder"] == "nn-heuristic" and r["sigma"] == sigma and r["prefix_correct"]]
         row["heuristic_wrong_stop"] = _mean(r["in_radius"] and not r["correct"] for r in he)
+        ag = [r["agrees_exact_nn"] for r in free_rows if r["decoder"] == "nn-shortlist" and r["sigma"] == sigma
+              and r.get("agrees_exact_nn") is not None]
+        row["shortlist_nn_agrees_exact"] = _mean(ag)
+        row["n_agree_checked"] = len(ag)
         by_sigma[sigma] = row
     by_ratio = []
     for lo, hi in zip(RATIO_BINS[:-1], RATIO_BINS[1:]):
@@ -160,32 +183,52 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
         by_ratio.append(entry)
     # Where exact NN collapses (< 50%) in units of Delta/2, and the sigma where greedy drops to 50%.
     collapse = next((b for b in by_ratio if b["n_exact"] and b["nn_exact_tf"] < 0.5), None)
-    greedy50 = None
-    curve = [(s, by_sigma[s]["nn-shortlist"]) for s in sigmas]
-    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
-        if a0 >= 0.5 > a1:
-            s50 = s0 + (a0 - 0.5) / (a0 - a1) * (s1 - s0)
-            b0, b1 = by_sigma[s0]["beam"], by_sigma[s1]["beam"]
-            greedy50 = {"sigma": s50, "sigma_sqrt_d": s50 * math.sqrt(d), "bracket": [s0, s1],
-                        "beam_interpolated": b0 + (s50 - s0) / (s1 - s0) * (b1 - b0),
-                        "map_interpolated": by_sigma[s0]["map"] + (s50 - s0) / (s1 - s0) * (by_sigma[s1]["map"] - by_sigma[s0]["map"])}
-            break
-    return {"decoders": names, "by_sigma": list(by_sigma.values()), "by_ratio": by_ratio,
-            "nn_collapse_bin": collapse, "greedy_50": greedy50}
+    rows = list(by_sigma.values())
+    greedy50 = crossing(rows, "nn-shortlist", 0.5, d) if "nn-shortlist" in names else None
+    exact50 = crossing(rows, "nn_exact_tf", 0.5, d) if exact_rows else None
+    return {"decoders": names, "by_sigma": rows, "by_ratio": by_ratio,
+            "nn_collapse_bin": collapse, "greedy_50": greedy50, "exact_nn_50": exact50}
+
+
+def crossing(rows: list[dict], key: str, level: float, d: int) -> dict | None:
+    """The first sigma where ``key`` falls below ``level`` (linear interpolation between measured
+    sigmas), with every other measured curve interpolated at that sigma; None if it never does."""
+    for r0, r1 in zip(rows, rows[1:]):
+        a0, a1 = r0[key], r1[key]
+        if a0 >= level > a1:
+            w = (a0 - level) / (a0 - a1)
+            s50 = r0["sigma"] + w * (r1["sigma"] - r0["sigma"])
+            at = {k: r0[k] + w * (r1[k] - r0[k]) for k in r0
+                  if k not in ("sigma", "sigma_sqrt_d") and isinstance(r0[k], float) and isinstance(r1[k], float)}
+            return {"curve": key, "sigma": s50, "sigma_sqrt_d": s50 * math.sqrt(d),
+                    "bracket": [r0["sigma"], r1["sigma"]], "interpolated": at}
+    return None
+
+
+def _crossing_line(label: str, c: dict | None, names: list[str]) -> str:
+    if c is None:
+        return f"{label}: not reached in the measured sigma range"
+    vals = ", ".join(f"{n} {c['interpolated'][n]:.3f}" for n in names if n in c["interpolated"])
+    return (f"{label}: sigma = {c['sigma']:.3g} (sigma*sqrt(d) = {c['sigma_sqrt_d']:.3g}, between measured "
+            f"{c['bracket'][0]:g} and {c['bracket'][1]:g}); interpolated there: {vals}")
 
 
 def markdown(summary, meta) -> str:
     names = summary["decoders"]
+    extra = [("beam exact-prompt", "beam_exact_prompts", ".2f")] if "beam" in names else []
+    extra += [("exact NN (TF)", "nn_exact_tf", ".3f"), ("exact MAP (TF)", "map_exact_tf", ".3f"),
+              ("true outside shortlist", "true_outside_shortlist", ".3f"),
+              ("greedy = exact NN", "shortlist_nn_agrees_exact", ".3f")]
+    if "nn-heuristic" in names:
+        extra.append(("heuristic wrong stop", "heuristic_wrong_stop", ".3f"))
     lines = [f"model {meta['model']}, layer {meta['layer']}, d={meta['d']}, {meta['n_prompts']} prompts x "
              f"{meta['length']} tokens (free-running); exact part: {meta['exact_positions_total']} positions x "
              f"{meta['draws']} draws per sigma", "",
-             "| sigma | sigma*sqrt(d) | " + " | ".join(names) + " | beam exact-prompt | exact NN (TF) | exact MAP (TF) "
-             "| true outside shortlist | heuristic wrong stop |",
-             "|---" * (len(names) + 7) + "|"]
+             "| sigma | sigma*sqrt(d) | " + " | ".join(names + [e[0] for e in extra]) + " |",
+             "|---" * (len(names) + len(extra) + 2) + "|"]
     for r in summary["by_sigma"]:
-        lines.append(f"| {r['sigma']:g} | {r['sigma_sqrt_d']:.3g} | " + " | ".join(f"{r[n]:.3f}" for n in names)
-                     + f" | {r['beam_exact_prompts']:.2f} | {r['nn_exact_tf']:.3f} | {r['map_exact_tf']:.3f} | "
-                     f"{r['true_outside_shortlist']:.3f} | {r['heuristic_wrong_stop']:.3f} |")
+        cells = [f"{r[n]:.3f}" for n in names] + [format(r[k], f) for _, k, f in extra]
+        lines.append(f"| {r['sigma']:g} | {r['sigma_sqrt_d']:.3g} | " + " | ".join(cells) + " |")
     lines += ["", "Recovery by ||n|| / (Delta/2) (TF = teacher-forced exact; others free-running, n in brackets)", "",
               "| ratio bin | n exact | exact NN (TF) | exact MAP (TF) | " + " | ".join(names) + " |",
               "|---" * (len(names) + 4) + "|"]
@@ -194,7 +237,9 @@ def markdown(summary, meta) -> str:
             continue
         cells = " | ".join(f"{b[n]:.2f} ({b['n_' + n]})" if b["n_" + n] else "-" for n in names)
         lines.append(f"| [{b['lo']:g}, {b['hi']:g}) | {b['n_exact']} | {b['nn_exact_tf']:.2f} | {b['map_exact_tf']:.2f} | {cells} |")
-    lines += ["", f"exact-NN collapse bin (<50%): {summary['nn_collapse_bin']}", f"greedy 50%: {summary['greedy_50']}"]
+    lines += ["", f"exact-NN collapse bin (<50%): {summary['nn_collapse_bin']}",
+              _crossing_line("greedy NN (shortlist) at 50%", summary["greedy_50"], names),
+              _crossing_line("exact NN (teacher-forced) at 50%", summary.get("exact_nn_50"), names)]
     return "\n".join(lines) + "\n"
 
 
@@ -234,8 +279,8 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
     wb = WhiteBox(lm.model)
     layer = wb.resolve_layer(layer)
     prompts = load_ids(lm.tokenizer, args.n_prompts, args.length, seed=args.seed)
-    exact_rows = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws, args.exact_positions,
-                            args.chunk, args.seed)
+    exact_rows, tables = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws,
+                                    args.exact_positions, args.chunk, args.seed)
     deltas = {(r["prompt"], r["position"]): r["delta"] for r in exact_rows}
     meta = {"model": model, "layer": layer, "d": wb.d, "n_prompts": len(prompts), "length": args.length,
             "draws": args.draws, "exact_positions_total": len({(r["prompt"], r["position"]) for r in exact_rows}),
@@ -246,7 +291,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
             out.mkdir(parents=True, exist_ok=True)
             (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
 
-    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial)
+    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables)
     summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
 
@@ -265,11 +310,19 @@ def main(argv=None) -> None:
     ap.add_argument("--k-grad", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--ranking", default="surrogate", choices=RANKINGS, help="how the shortlist is ranked")
+    ap.add_argument("--n-fit", type=int, default=1536, help="tokens the linear surrogate is fitted on")
+    ap.add_argument("--k-proxy", type=int, default=128, help="surrogate-ranked tokens verified per round")
+    ap.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list of {', '.join(DECODERS)}")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="runs/noise")
     args = ap.parse_args(argv)
+    args.decoders = [x for x in args.decoders.split(",") if x]
+    unknown = sorted(set(args.decoders) - set(DECODERS))
+    if unknown or not args.decoders:
+        ap.error(f"--decoders: unknown {unknown}; choose from {', '.join(DECODERS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     sigmas = [float(s) for s in args.sigmas.split(",")]

@@ -41,12 +41,14 @@ class _StopForward(Exception):
 class PrefixCache:
     """Keys/values of a fixed prefix for the blocks up to ``layer`` (batch 1).
 
-    ``kv[i]`` holds ``(keys, values)`` of block ``i`` with shape ``(1, heads, length, head_dim)``.
+    ``kv[i]`` holds ``(keys, values)`` of block ``i`` with shape ``(1, heads, length, head_dim)``;
+    ``tokens`` the prefix's token ids (a key for per-prefix memoisation, e.g. attacks.surrogate).
     """
 
     layer: int
     length: int
     kv: list[tuple[torch.Tensor, torch.Tensor]]
+    tokens: tuple[int, ...] = ()
 
 
 def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
@@ -189,12 +191,13 @@ class WhiteBox:
         """Keys/values of ``prefix`` for blocks ``1..layer`` (computed once per decoding step)."""
         layer = self.resolve_layer(layer)
         prefix = torch.as_tensor(prefix, dtype=torch.long, device=self.device)
+        tokens = tuple(prefix.tolist())
         if prefix.numel() == 0 or layer == 0:
-            return PrefixCache(layer=layer, length=int(prefix.numel()), kv=[])
+            return PrefixCache(layer=layer, length=int(prefix.numel()), kv=[], tokens=tokens)
         cache = DynamicCache(config=self.config)
         self._forward_to(self.embed(prefix)[None], layer, 0, cache)
         kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(layer)]
-        return PrefixCache(layer=layer, length=int(prefix.numel()), kv=kv)
+        return PrefixCache(layer=layer, length=int(prefix.numel()), kv=kv, tokens=tokens)
 
     def _expanded_cache(self, prefix: PrefixCache, batch: int) -> DynamicCache | None:
         """A throwaway cache whose keys/values are views of the prefix's, expanded to ``batch``."""
@@ -251,10 +254,11 @@ class CandidateBatch:
 
     def extended(self, index: int) -> PrefixCache:
         """The prefix cache extended by ``candidates[index]``, sliced from this batch's cache."""
+        tokens = self.prefix.tokens + (int(self.candidates[index]),)
         if self.cache is None:
-            return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=[])
+            return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=[], tokens=tokens)
         kv = [
             (self.cache.layers[i].keys[index : index + 1], self.cache.layers[i].values[index : index + 1])
             for i in range(self.prefix.layer)
         ]
-        return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=kv)
+        return PrefixCache(layer=self.prefix.layer, length=self.prefix.length + 1, kv=kv, tokens=tokens)

@@ -1,0 +1,83 @@
+"""The linear surrogate that ranks candidates under noise (attacks.surrogate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attacks.robust import BeamSipIt, CandidateScorer, MapDecoder, NearestNeighbour
+from attacks.surrogate import LinearSurrogate, first_token_states
+from benchmarks.noise import all_states
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(lm, n: int = 6) -> list[int]:
+    return lm.tokenizer("def main(): return the value of x", add_special_tokens=False).input_ids[:n]
+
+
+def test_at_layer_zero_the_surrogate_is_exact(tiny):
+    """Layer 0 is the embedding (plus GPT-2's position embedding): an affine function of F_v, so a
+    plain least-squares fit (lam = 0) predicts every token's distance exactly."""
+    lm, wb = tiny
+    ids = _ids(lm)
+    prefix = wb.prefix_cache(ids[:3], 0)
+    exact = all_states(wb, prefix, 256)
+    target = wb.states(ids, 0)[3] + 0.1 * torch.randn(wb.d, generator=torch.Generator().manual_seed(0))
+    surrogate = LinearSurrogate(n_fit=128, lam=0.0)
+    predicted = surrogate.predicted_sq_distances(wb, surrogate.fit(wb, prefix), target)
+    torch.testing.assert_close(predicted, (exact - target).pow(2).sum(1), rtol=1e-3, atol=1e-3)
+
+
+def test_fits_are_memoised_per_prefix_and_hold_exact_states(tiny):
+    lm, wb = tiny
+    ids = _ids(lm)
+    surrogate = LinearSurrogate(n_fit=64)
+    a = wb.prefix_cache(ids[:2], -1)
+    fit = surrogate.fit(wb, a)
+    assert surrogate.has_fit(wb, a) and surrogate.fit(wb, wb.prefix_cache(ids[:2], -1)) is fit
+    assert not surrogate.has_fit(wb, wb.prefix_cache(ids[:3], -1))
+    torch.testing.assert_close(fit.sample_states, wb.step(a, fit.sample).states)
+    torch.testing.assert_close(first_token_states(wb, wb.n_layers)[ids[0]], wb.states(ids[:1], -1)[0])
+
+
+def test_surrogate_shortlist_finds_the_exact_nearest_neighbour_under_noise(tiny):
+    """A shortlist of 128 of 512 tokens (96 fitted + 2 x 16 ranked) returns the exact NN's token."""
+    lm, wb = tiny
+    ids = _ids(lm, 8)
+    h = wb.states(ids, -1)
+    scorer = CandidateScorer(n_fit=96, k_proxy=16, k_prior=0, extra_rounds=0)
+    g = torch.Generator().manual_seed(0)
+    agree = total = 0
+    for t in range(1, len(ids)):
+        prefix = wb.prefix_cache(ids[:t], -1)
+        every = all_states(wb, prefix, 512)
+        for _ in range(4):
+            observed = h[t] + 0.1 * torch.randn(wb.d, generator=g)
+            scored = scorer.score(wb, prefix, observed, None, 0.1)
+            assert scored.candidates.numel() == 128 == scored.candidates.unique().numel()
+            torch.testing.assert_close(scored.distances, (every[scored.candidates] - observed).norm(dim=-1))
+            agree += int(scored.candidates[scored.distances.argmin()]) == int((every - observed).norm(dim=-1).argmin())
+            total += 1
+    assert agree / total >= 0.9
+
+
+def test_beam_width_one_equals_greedy_on_the_surrogate_shortlist(tiny):
+    lm, wb = tiny
+    ids = _ids(lm, 8)
+    sigma = 0.05
+    observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(1))
+    kw = dict(n_fit=96, k_proxy=16)
+    assert (BeamSipIt(sigma, width=1, prior=False, backtrack=False, **kw).invert(observed, wb, -1).ids
+            == NearestNeighbour(stop="shortlist", sigma=sigma, **kw).invert(observed, wb, -1).ids)
+    assert (BeamSipIt(sigma, width=1, prior=True, backtrack=False, **kw).invert(observed, wb, -1).ids
+            == MapDecoder(sigma, **kw).invert(observed, wb, -1).ids)
+
+
+def test_bad_surrogate_options_raise():
+    with pytest.raises(ValueError, match="ranking"):
+        CandidateScorer(ranking="psychic")
+    with pytest.raises(ValueError):
+        LinearSurrogate(n_fit=1)
+    with pytest.raises(TypeError):
+        MapDecoder(0.1, k_proxxy=3)

@@ -33,8 +33,9 @@ shortlist per position (:class:`CandidateScorer`): the prior's top ``k_prior`` t
 tokens a linear surrogate of Phi^l is fitted on, and the surrogate's nearest predictions
 (attacks.surrogate; re-fitted once around the target), widened while the nearest so far is
 implausible under the chi2 noise model. The true token can still fall outside it;
-benchmarks.noise measures how often. Position 0 (empty prefix) is scored exactly over the whole
-vocabulary from a cache computed once per (model, layer) (``exact_first``). ``exact=True``
+benchmarks.noise measures how often. The first ``exact_positions`` (2) positions are scored over
+the whole vocabulary from memoised tables (position 0's is prefix-free: paid once per layer).
+``exact=True``
 scores the full vocabulary (T x V steps: cheap on tiny models only).
 """
 
@@ -50,7 +51,7 @@ from scipy.stats import chi2
 
 from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
-from attacks.surrogate import LinearSurrogate, SurrogateFit, first_token_states
+from attacks.surrogate import LinearSurrogate, SurrogateFit, vocabulary_states
 from sipit.margins import distances_to_all
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
@@ -104,14 +105,16 @@ class CandidateScorer:
     """
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_first: bool = True,
+                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_positions: int = 2,
                  ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096):
         if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0 or k_proxy < 1:
             raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0, k_proxy >= 1")
         if ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
-        self.extra_rounds, self.alpha, self.exact_first, self.ranking = extra_rounds, alpha, exact_first, ranking
+        if exact_positions < 0:
+            raise ValueError(f"exact_positions must be >= 0, got {exact_positions}")
+        self.extra_rounds, self.alpha, self.exact_positions, self.ranking = extra_rounds, alpha, exact_positions, ranking
         self.k_proxy, self.n_rerank = k_proxy, n_rerank
         self.surrogate = LinearSurrogate(n_fit=n_fit, chunk=chunk)
         self._gradient = GradientPolicy()
@@ -127,10 +130,12 @@ class CandidateScorer:
         if self.exact:
             dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
-        if self.exact_first and prefix.length == 0:
-            # Position 0 has no prefix and the prior knows little about a first token: score the
-            # whole vocabulary from a per-(model, layer) cache (exact at position 0, paid once).
-            dist = (first_token_states(whitebox, prefix.layer, self.chunk) - target).norm(dim=-1).float()
+        if prefix.length < self.exact_positions and (prefix.length == 0 or not borrow):
+            # The first positions are scored over the whole vocabulary from memoised tables: the
+            # prior knows little there, and the surrogate fits position 1 badly (notes/issue-4.md).
+            # Position 0's table is prefix-free (paid once per layer); beam siblings (borrow) at
+            # later exact positions take the shortlist instead of paying V steps each.
+            dist = (vocabulary_states(whitebox, prefix, self.chunk) - target).norm(dim=-1).float()
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
         shortlist = _Shortlist(whitebox, prefix, target)
         if prior_logprobs is not None and self.k_prior > 0:

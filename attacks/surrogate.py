@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
+from sipit.margins import all_states
 from sipit.whitebox import PrefixCache, WhiteBox
 
 # Per WhiteBox: {layer: (V, d) position-0 states}, {layer: (V, d+1) design matrix}, memoised fits.
 _FIRST_STATES: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _DESIGNS: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _FITS: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
+_TABLES: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
 MEMO_SIZE = 256  # fits kept per WhiteBox (~5 MB each at d = 576)
+TABLE_MEMO_SIZE = 24  # full-vocabulary tables kept per WhiteBox (V x d each: 113 MB for smollm2)
 
 
 @torch.no_grad()
@@ -49,6 +52,21 @@ def first_token_states(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> tor
         per_layer[layer] = torch.cat([whitebox.step(empty, c).states
                                       for c in torch.arange(whitebox.vocab_size).split(chunk)])
     return per_layer[layer]
+
+
+@torch.no_grad()
+def vocabulary_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024) -> torch.Tensor:
+    """mu_{p,v} for every v on ``prefix`` (V steps), memoised per prefix; position 0 is F itself."""
+    if prefix.length == 0:
+        return first_token_states(whitebox, prefix.layer, chunk)
+    memo = _TABLES.setdefault(whitebox, OrderedDict())
+    key = (prefix.layer, prefix.tokens)
+    if key not in memo:
+        memo[key] = all_states(whitebox, prefix, chunk)
+        while len(memo) > TABLE_MEMO_SIZE:
+            memo.popitem(last=False)
+    memo.move_to_end(key)
+    return memo[key]
 
 
 def design_matrix(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> torch.Tensor:

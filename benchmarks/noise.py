@@ -33,18 +33,12 @@ import torch
 
 from attacks.robust import RANKINGS, BeamSipIt, MapDecoder, NearestNeighbour
 from benchmarks.margins_table import load_ids
-from sipit.margins import _chunks
+from sipit.margins import all_states
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
 from sipit.whitebox import WhiteBox
 
 RATIO_BINS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, math.inf]
-
-
-@torch.no_grad()
-def all_states(wb: WhiteBox, prefix, chunk: int) -> torch.Tensor:
-    """mu_{p,v} for every v, ``(V, d)``."""
-    return torch.cat([wb.step(prefix, c).states for c in _chunks(wb.vocab_size, chunk, wb.device)])
 
 
 @torch.no_grad()

@@ -64,6 +64,12 @@ def _fill_distances(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tenso
 
 
 @torch.no_grad()
+def all_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024) -> torch.Tensor:
+    """mu_{p,v} for every token v of the vocabulary, ``(V, d)`` (chunked steps on the cached prefix)."""
+    return torch.cat([whitebox.step(prefix, ids).states for ids in _chunks(whitebox.vocab_size, chunk, whitebox.device)])
+
+
+@torch.no_grad()
 def distances_to_all(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
     """||mu_{p,v} - target||_2 for every token v of the vocabulary, ``(V,)`` (float32)."""
     out = torch.empty(whitebox.vocab_size, dtype=torch.float32, device=whitebox.device)

@@ -1,7 +1,8 @@
 """Recovery under Gaussian noise versus the margin Delta/2 and versus sigma.
 
-    python -m benchmarks.noise --model smollm2-135m --layer 15 --sigmas 0.5,1,2,4 \
-        --n-prompts 20 --length 8 --exact-prompts 1 --exact-positions 4 --out runs/noise-l15
+    python -m benchmarks.noise --model smollm2-135m --layer 15 --sigmas 10,16,22 --n-prompts 20 \
+        --length 5 --exact-prompts 1 --exact-positions 2 --draws 30 --n-fit 1024 \
+        --decoders nn-shortlist,map,beam --out runs/noise-l15
 
 Two parts, both with isotropic noise n ~ N(0, sigma^2 I_d) added to the full-forward states h:
 
@@ -11,11 +12,15 @@ A. EXACT, teacher-forced (first ``--exact-prompts`` prompts, first ``--exact-pos
    draws the exact nearest neighbour and the exact MAP token (prior = the model's next-token
    distribution on the true prefix). The theorem is asserted here: whenever
    ||h~_t - mu_{p_t,s_t}|| < Delta_t / 2 the exact NN must return s_t (a violation raises).
-B. FREE-RUNNING decoders on ``--n-prompts`` prompts: greedy NN (shortlist), NN with the heuristic
-   chi2 stop, MAP and beam+prior (attacks.robust, all on the same heuristic shortlist), one noise
-   draw per (prompt, sigma) shared by every decoder. Reported: token accuracy, exact recovery,
-   how often the true token was outside greedy's shortlist (at positions whose decoded prefix was
-   correct), how often the heuristic stop accepted a wrong token inside the noise radius.
+B. FREE-RUNNING decoders on ``--n-prompts`` prompts (``--decoders``): greedy NN (shortlist), NN
+   with the heuristic chi2 stop, MAP and beam+prior (attacks.robust; all but the heuristic on the
+   same surrogate-ranked shortlist, ``--ranking``/``--n-fit``/``--k-proxy``), one noise draw per
+   (prompt, sigma) shared by every decoder. Reported: token accuracy, exact recovery, how often
+   the true token was outside greedy's shortlist (at positions whose decoded prefix was
+   correct), how often greedy's choice equals the exact NN of the same observed state (where
+   part A holds the position's full table), how often the heuristic stop accepted a wrong token
+   inside the noise radius, and the sigma where greedy (and exact NN) cross 50% with every
+   decoder's accuracy interpolated there.
 
 Where Delta_t is known (part A positions), part B positions also get ||n_t|| / (Delta_t / 2).
 Outputs: ``noise.json`` (every position record), ``noise.md`` (tables), ``noise.png`` (plot).
@@ -32,8 +37,8 @@ from pathlib import Path
 import torch
 
 from attacks.robust import RANKINGS, BeamSipIt, MapDecoder, NearestNeighbour
+from attacks.surrogate import vocabulary_states
 from benchmarks.margins_table import load_ids
-from sipit.margins import all_states
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
 from sipit.whitebox import WhiteBox
@@ -55,7 +60,7 @@ def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> tup
         prior = NextTokenPrior(wb.model)
         for t in range(min(positions, len(ids))):
             s = ids[t]
-            mu = tables[(p, t)] = all_states(wb, prefix, chunk)
+            mu = tables[(p, t)] = vocabulary_states(wb, prefix, chunk)  # memoised: the decoders reuse it
             d_true = (mu - mu[s]).norm(dim=-1)
             d_true[s] = math.inf
             delta, competitor = float(d_true.min()), int(d_true.argmin())

@@ -49,6 +49,10 @@ class AttackBudget:
     head_tokens: int = 1024
     head_epochs: int = 8
 
+    def shortlist(self) -> dict:
+        """CandidateScorer options: exactly k_prior + k_grad candidates per position (position 0 aside)."""
+        return {"k_prior": self.k_prior, "k_grad": self.k_grad, "ranking": "gradient", "exact_positions": 1}
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -131,9 +135,9 @@ def _fast_attack(attack, chain, budget: AttackBudget):
     from defenses.pooled_attack import PooledBeamAttack
 
     if isinstance(attack, MapDecoder):
-        return MapDecoder(attack.sigma, k_prior=budget.k_prior, k_grad=budget.k_grad)
+        return MapDecoder(attack.sigma, **budget.shortlist())
     if isinstance(attack, NearestNeighbour) and attack.stop == "shortlist":
-        return NearestNeighbour(stop="shortlist", sigma=attack.sigma, k_prior=budget.k_prior, k_grad=budget.k_grad)
+        return NearestNeighbour(stop="shortlist", sigma=attack.sigma, **budget.shortlist())
     if isinstance(attack, PooledBeamAttack):
         return PooledBeamAttack(attack.pooling, beam=budget.pooled_beam, topk=budget.pooled_topk)
     return attack

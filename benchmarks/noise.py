@@ -43,6 +43,7 @@ from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
 from sipit.whitebox import WhiteBox
 
+MIN_PLOTTED = 10  # free-running positions a ratio bin needs before the plot draws it
 RATIO_BINS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, math.inf]
 
 
@@ -254,9 +255,9 @@ def plot(summary, path: Path, title: str) -> None:
     a.plot(mids, [x["nn_exact_tf"] for x in bins], "o-", label="exact NN (teacher-forced)")
     a.plot(mids, [x["map_exact_tf"] for x in bins], "s-", label="exact MAP (teacher-forced)")
     for name in summary["decoders"]:
-        pts = [(m, x[name]) for m, x in zip(mids, bins) if x["n_" + name]]
+        pts = [(m, x[name]) for m, x in zip(mids, bins) if x["n_" + name] >= MIN_PLOTTED]
         if pts:
-            a.plot(*zip(*pts), ".--", label=name + " (free-running)")
+            a.plot(*zip(*pts), ".--", label=f"{name} (free-running, bins with n >= {MIN_PLOTTED})")
     a.axvline(1.0, color="grey", lw=0.8)
     a.set_xscale("symlog", linthresh=1)
     a.set_xlabel("||n|| / (Delta/2)")

@@ -98,8 +98,10 @@ class CandidateScorer:
     Shortlist (``ranking="surrogate"``, the default): the prior's top ``k_prior`` tokens, the
     ``n_fit`` tokens the linear surrogate is fitted on (attacks.surrogate; memoised per prefix),
     the surrogate's top ``k_proxy``, then, after re-fitting on the verified tokens nearest to h~
-    and re-ranking the first ranking's best ``n_rerank``, the next ``k_proxy``; then up to ``extra_rounds`` more rounds (doubling)
-    while the nearest so far is implausible under the chi2 noise model. ``ranking="gradient"``:
+    and re-ranking the first ranking's best ``n_rerank``, the next ``k_proxy``; then up to
+    ``extra_rounds`` more rounds (doubling) while the nearest so far is implausible under the chi2
+    noise model. The first ``exact_positions`` positions are scored over the whole vocabulary.
+    ``ranking="gradient"``:
     prior top ``k_prior`` then ``rounds`` rounds of ``k_grad`` from the gradient ranking (the
     earlier shortlist; measured far weaker under noise, notes/issue-4.md).
     """
@@ -107,13 +109,12 @@ class CandidateScorer:
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
                  chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_positions: int = 2,
                  ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096):
-        if k_prior < 0 or k_grad < 1 or rounds < 0 or extra_rounds < 0 or k_proxy < 1:
-            raise ValueError("need k_prior >= 0, k_grad >= 1, rounds >= 0, extra_rounds >= 0, k_proxy >= 1")
+        if min(k_prior, rounds, extra_rounds, exact_positions) < 0 or min(k_grad, k_proxy, n_rerank) < 1:
+            raise ValueError("need k_prior, rounds, extra_rounds, exact_positions >= 0 and k_grad, k_proxy, "
+                             "n_rerank >= 1")
         if ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
-        if exact_positions < 0:
-            raise ValueError(f"exact_positions must be >= 0, got {exact_positions}")
         self.extra_rounds, self.alpha, self.exact_positions, self.ranking = extra_rounds, alpha, exact_positions, ranking
         self.k_proxy, self.n_rerank = k_proxy, n_rerank
         self.surrogate = LinearSurrogate(n_fit=n_fit, chunk=chunk)

@@ -266,7 +266,7 @@ def plot(summary, path: Path, title: str) -> None:
     sig = [r["sigma"] for r in summary["by_sigma"]]
     for name in summary["decoders"]:
         b.plot(sig, [r[name] for r in summary["by_sigma"]], "o-", label=name)
-    b.plot(sig, [r["nn_exact_tf"] for r in summary["by_sigma"]], "k:", label="exact NN (TF)")
+    b.plot(sig, [r["nn_exact_tf"] for r in summary["by_sigma"]], "kx:", label="exact NN (TF)")
     b.set_xlabel("sigma (absolute, per coordinate)")
     b.legend(fontsize=7)
     fig.suptitle(title)

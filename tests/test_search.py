@@ -95,12 +95,14 @@ def test_killed_worker_loses_nothing_and_study_resumes(tmp_path):
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
-            states = [t.state for t in _trials(storage, "kill")]
-            if states.count(TrialState.COMPLETE) >= 1 and TrialState.RUNNING in states:
+            trials = _trials(storage, "kill")
+            # kill only once the running trial has linked its MLflow run (set a moment after it starts)
+            running = [t for t in trials if t.state == TrialState.RUNNING and "mlflow_run_id" in t.user_attrs]
+            if any(t.state == TrialState.COMPLETE for t in trials) and running:
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("worker never completed a trial")
+            pytest.fail("worker never completed a trial and started the next one")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     finally:

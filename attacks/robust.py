@@ -59,6 +59,9 @@ from sipit.whitebox import PrefixCache, WhiteBox
 
 STOP_RULES = ("exact", "heuristic", "shortlist")
 RANKINGS = ("surrogate", "gradient")
+# The cheap shortlist for near-exact states (quantised exposure, budgeted search trials): position 0
+# over the full vocabulary, then the prior's top k_prior and k_grad gradient-ranked tokens per round.
+GRADIENT_SHORTLIST = {"ranking": "gradient", "exact_positions": 1}
 
 
 def chi2_radius(sigma: float, d: int, alpha: float) -> float:

@@ -147,7 +147,7 @@ def _exposure_fn(defense):
 def sipit_attack(defense, sigma: float, exact_exposure: bool, *, robust: str, beam_width: int, seed: int):
     """The strongest SipIt form that knows ``defense`` (see the module docstring)."""
     from attacks.policies import GradientPolicy
-    from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour
+    from attacks.robust import GRADIENT_SHORTLIST, BeamSipIt, MapDecoder, NearestNeighbour
     from attacks.sipit import SipIt
 
     if not defense.per_position:
@@ -164,7 +164,7 @@ def sipit_attack(defense, sigma: float, exact_exposure: bool, *, robust: str, be
         return NearestNeighbour(stop="heuristic", sigma=sigma)
     if not exact_exposure:
         # near-exact states: the cheap gradient shortlist suffices (defenses: measured in issue 3)
-        return NearestNeighbour(stop="shortlist", ranking="gradient", exact_positions=1)
+        return NearestNeighbour(stop="shortlist", **GRADIENT_SHORTLIST)
     return SipIt(GradientPolicy(), seed=seed)
 
 

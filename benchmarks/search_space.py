@@ -51,7 +51,9 @@ class AttackBudget:
 
     def shortlist(self) -> dict:
         """CandidateScorer options: exactly k_prior + k_grad candidates per position (position 0 aside)."""
-        return {"k_prior": self.k_prior, "k_grad": self.k_grad, "ranking": "gradient", "exact_positions": 1}
+        from attacks.robust import GRADIENT_SHORTLIST
+
+        return {"k_prior": self.k_prior, "k_grad": self.k_grad, **GRADIENT_SHORTLIST}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,13 +13,19 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 from pathlib import Path
+from typing import Callable, Sequence, TypeVar
 
 from sipit.whitebox import SipitInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ENV = "SIPIT_RESULTS_DIR"
+MAX_MESSAGE_CHARS = 600
+
+T = TypeVar("T")
 
 
 class UsageError(SipitInputError):
@@ -34,3 +40,97 @@ def default_out_dir(command_name: str) -> Path:
     """
     root = os.environ.get(RESULTS_ENV)
     return (Path(root).expanduser() if root else REPO_ROOT / "results") / command_name
+
+
+# --------------------------------------------------------------------------- checkers
+def usage_error(name: str, problem: str) -> UsageError:
+    """The error for option ``name`` (may be empty: argparse names the flag itself) and ``problem``."""
+    return UsageError(f"{name} {problem}" if name else problem)
+
+
+def check_int(value, *, low: int, name: str = "", high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]`` (a numeric string is accepted); else :class:`UsageError`."""
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or (isinstance(value, float) and value != number):
+        raise usage_error(name, f"must be an integer, got {value!r}")
+    if number < low or (high is not None and number > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise usage_error(name, f"must be an integer {bound}, got {number}")
+    return number
+
+
+def check_float(value, *, low: float = 0.0, name: str = "") -> float:
+    """``value`` as a finite float >= ``low`` (a numeric string is accepted); else :class:`UsageError`."""
+    try:
+        number = float(str(value).strip()) if not isinstance(value, bool) else math.nan
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < low:
+        raise usage_error(name, f"must be a finite number >= {low:g}, got {value!r}")
+    return number
+
+
+def split_list(value: str | Sequence[str]) -> list[str]:
+    """``'a,b'`` or ``['a', 'b,c']`` -> the stripped, non-empty items."""
+    items = [value] if isinstance(value, str) else list(value)
+    return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+
+
+def check_floats(value: str | Sequence, *, low: float = 0.0, name: str = "") -> list[float]:
+    """A non-empty comma list of finite floats >= ``low``."""
+    items = split_list(value) if isinstance(value, str) else list(value)
+    if not items:
+        raise usage_error(name, "needs at least one number")
+    return [check_float(item, low=low, name=name) for item in items]
+
+
+def check_names(value: str | Sequence[str], choices: Sequence[str], *, name: str = "") -> list[str]:
+    """A non-empty comma list of names, each one of ``choices``."""
+    names = split_list(value)
+    bad = [n for n in names if n not in choices]
+    if bad or not names:
+        raise usage_error(name, f"unknown {bad}: choose from {', '.join(choices)}" if bad else f"is empty: choose from {', '.join(choices)}")
+    return names
+
+
+def arg(check: Callable[..., T], **options) -> Callable[[str], T]:
+    """An argparse ``type=`` function running ``check(text, **options)``: the flag and the library
+    keyword share one rule, and argparse reports a failure as ``argument --flag: <problem>``."""
+
+    def parse(text: str) -> T:
+        try:
+            return check(text, **options)
+        except UsageError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = check.__name__.removeprefix("check_")
+    return parse
+
+
+# --------------------------------------------------------------------------- running a command
+USER_ERRORS = (ValueError, OSError, ImportError)  # SipitInputError, DefenseParamError, bad files, missing packages
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (whitespace collapsed), at most MAX_MESSAGE_CHARS long."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def run_main(parser: argparse.ArgumentParser, command: Callable[[argparse.Namespace], int],
+             argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run ``command(args)``; bad input -> ``<prog>: error: ...`` and exit code 2.
+
+    Bad input is what :data:`USER_ERRORS` covers (the library raises SipitInputError, a ValueError,
+    for every bad value it refuses). ``SIPIT_TRACEBACK=1`` re-raises to show the traceback.
+    """
+    args = parser.parse_args(argv)
+    try:
+        return command(args)
+    except USER_ERRORS as err:
+        if os.environ.get("SIPIT_TRACEBACK"):
+            raise
+        parser.exit(2, f"{parser.prog}: error: {one_line(err)}\n")

@@ -13,8 +13,9 @@ import argparse
 import sys
 
 from attacks.policies import POLICIES, make_policy
-from attacks.result import Inversion
+from attacks.result import Inversion, layer_hint
 from attacks.sipit import SipIt
+from benchmarks.cli import UsageError, arg, check_int, run_main
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.whitebox import SipitInputError, WhiteBox
 
@@ -35,11 +36,17 @@ def invert_text(
     """
     if not text.strip():
         raise SipitInputError("empty prompt: there is nothing to invert")
+    if max_tokens is not None:
+        check_int(max_tokens, low=1, name="max_tokens")
     attack = SipIt(make_policy(policy), seed=seed, progress=progress)
     loaded = load_model(model)
     whitebox = WhiteBox(loaded.model)
     layer = whitebox.resolve_layer(layer)
     ids = loaded.tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
+    try:
+        whitebox.check_length(len(ids), "the prompt")
+    except SipitInputError as err:
+        raise UsageError(f"{err}: shorten it or keep its first tokens with --max-tokens {whitebox.context_length}") from None
     observed = whitebox.states(ids, layer)
     return ids, attack.invert(observed, whitebox, layer, loaded.tokenizer), loaded.tokenizer
 
@@ -65,25 +72,34 @@ def format_inversion(inversion: Inversion, truth: list[int], tokenizer) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invert", description=__doc__.split("\n\n")[0])
     parser.add_argument("text", help="the prompt whose hidden states are inverted")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF dir, .gguf file or hub id")
     parser.add_argument("--layer", type=int, default=-1, help="layer to attack (negative: from the end)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="gradient")
-    parser.add_argument("--max-tokens", type=int, default=None, help="truncate the prompt to this many tokens")
+    parser.add_argument("--max-tokens", type=arg(check_int, low=1), default=None,
+                        help="keep only the prompt's first N tokens (N >= 1)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    try:
-        truth, inversion, tokenizer = invert_text(
-            args.text, model=args.model, layer=args.layer, policy=args.policy,
-            max_tokens=args.max_tokens, seed=args.seed, progress=True,
-        )
-    except (SipitInputError, ValueError, ModuleNotFoundError) as err:
-        parser.error(str(err))
+    return parser
+
+
+def invert_command(args: argparse.Namespace) -> int:
+    """Run :func:`invert_text` and print the result; exit 0 on exact recovery, 1 otherwise."""
+    truth, inversion, tokenizer = invert_text(
+        args.text, model=args.model, layer=args.layer, policy=args.policy,
+        max_tokens=args.max_tokens, seed=args.seed, progress=True,
+    )
     print(f"recovered: {inversion.text!r}")
     print(format_inversion(inversion, truth, tokenizer))
+    hint = layer_hint([inversion], args.layer)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
     return 0 if inversion.ids == truth else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), invert_command, argv)
 
 
 if __name__ == "__main__":

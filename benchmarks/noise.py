@@ -38,6 +38,7 @@ import torch
 
 from attacks.robust import RANKINGS, BeamSipIt, MapDecoder, NearestNeighbour
 from attacks.surrogate import vocabulary_states
+from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, run_main
 from benchmarks.margins_table import load_ids
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
@@ -278,6 +279,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
     lm = load_model(model)
     wb = WhiteBox(lm.model)
     layer = wb.resolve_layer(layer)
+    wb.check_length(args.length, "--length")
     prompts = load_ids(lm.tokenizer, args.n_prompts, args.length, seed=args.seed)
     exact_rows, tables = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws,
                                     args.exact_positions, args.chunk, args.seed)
@@ -296,45 +298,53 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--layer", type=int, default=-1)
-    ap.add_argument("--sigmas", default="0,0.5,1,2")
-    ap.add_argument("--n-prompts", type=int, default=20)
-    ap.add_argument("--length", type=int, default=8)
-    ap.add_argument("--exact-prompts", type=int, default=1)
-    ap.add_argument("--exact-positions", type=int, default=4)
-    ap.add_argument("--draws", type=int, default=20)
-    ap.add_argument("--k-prior", type=int, default=32)
-    ap.add_argument("--k-grad", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--width", type=int, default=4)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    count = arg(check_int, low=1)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model dir, .gguf file or hub id")
+    ap.add_argument("--layer", type=int, default=-1, help="layer attacked (negative: from the end)")
+    ap.add_argument("--sigmas", type=arg(check_floats, low=0.0), default="0,0.5,1,2",
+                    help="comma list of absolute noise sigmas >= 0")
+    ap.add_argument("--n-prompts", type=count, default=20)
+    ap.add_argument("--length", type=count, default=8, help="tokens per prompt")
+    ap.add_argument("--exact-prompts", type=arg(check_int, low=0), default=1)
+    ap.add_argument("--exact-positions", type=arg(check_int, low=0), default=4)
+    ap.add_argument("--draws", type=count, default=20)
+    ap.add_argument("--k-prior", type=arg(check_int, low=0), default=32)
+    ap.add_argument("--k-grad", type=count, default=32)
+    ap.add_argument("--rounds", type=arg(check_int, low=0), default=1)
+    ap.add_argument("--width", type=count, default=4)
     ap.add_argument("--ranking", default="surrogate", choices=RANKINGS, help="how the shortlist is ranked")
-    ap.add_argument("--n-fit", type=int, default=1536, help="tokens the linear surrogate is fitted on")
-    ap.add_argument("--k-proxy", type=int, default=128, help="surrogate-ranked tokens verified per round")
-    ap.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list of {', '.join(DECODERS)}")
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--n-fit", type=count, default=1536, help="tokens the linear surrogate is fitted on")
+    ap.add_argument("--k-proxy", type=count, default=128, help="surrogate-ranked tokens verified per round")
+    ap.add_argument("--decoders", type=arg(check_names, choices=DECODERS), default=",".join(DECODERS),
+                    help=f"comma list of {', '.join(DECODERS)}")
+    ap.add_argument("--chunk", type=count, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default="runs/noise")
-    args = ap.parse_args(argv)
-    args.decoders = [x for x in args.decoders.split(",") if x]
-    unknown = sorted(set(args.decoders) - set(DECODERS))
-    if unknown or not args.decoders:
-        ap.error(f"--decoders: unknown {unknown}; choose from {', '.join(DECODERS)}")
+    ap.add_argument("--threads", type=count, default=None)
+    ap.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('noise')})")
+    return ap
+
+
+def noise_command(args: argparse.Namespace) -> int:
+    """Run both parts and write noise.json, noise.md and noise.png to ``--out``."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    sigmas = [float(s) for s in args.sigmas.split(",")]
-    out = Path(args.out)
-    result = run(args.model, args.layer, sigmas, args, out)
+    out = Path(args.out) if args.out is not None else default_out_dir("noise")
+    result = run(args.model, args.layer, args.sigmas, args, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise.json").write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result["summary"], result["meta"])
     (out / "noise.md").write_text(md)
     plot(result["summary"], out / "noise.png", f"{args.model} layer {result['meta']['layer']}")
     print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), noise_command, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

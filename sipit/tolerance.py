@@ -20,16 +20,28 @@ For another model or dtype, derive it with :func:`measure_gap` and :func:`tolera
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from sipit.whitebox import SipitInputError
 
 DEFAULT_REL_TOL = 1e-4
 SAFETY = 20.0
 MIN_REL_TOL = 1e-6
 
 
+def check_rel_tol(rel_tol: float) -> float:
+    """``rel_tol`` as a finite float > 0; NaN, inf, zero or negative raise :class:`SipitInputError`
+    (a NaN radius accepts nothing: every position would scan the whole vocabulary unverified)."""
+    if isinstance(rel_tol, bool) or not isinstance(rel_tol, (int, float)) or not (math.isfinite(rel_tol) and rel_tol > 0):
+        raise SipitInputError(f"rel_tol must be a finite number > 0, got {rel_tol!r}")
+    return float(rel_tol)
+
+
 def acceptance_radius(observed: torch.Tensor, rel_tol: float = DEFAULT_REL_TOL) -> torch.Tensor:
     """eps_t = rel_tol * ||h~_t||_2 for each row of ``observed`` (``(T, d)`` -> ``(T,)``)."""
-    return rel_tol * observed.norm(dim=-1)
+    return check_rel_tol(rel_tol) * observed.norm(dim=-1)
 
 
 def measure_gap(whitebox, ids: torch.Tensor, layer: int, batch: int = 8) -> torch.Tensor:

@@ -72,6 +72,8 @@ class WhiteBox:
         self.embedding: nn.Module = model.get_input_embeddings()
         self.vocab_size: int = int(self.embedding.weight.shape[0])
         self.d: int = int(text_config.hidden_size)
+        context = getattr(text_config, "max_position_embeddings", None)  # GPT-2 maps it to n_positions
+        self.context_length: int | None = int(context) if context else None
         self._token_embeddings: torch.Tensor | None = None
         self.blocks_run = 0  # blocks completed by this WhiteBox's forward passes (for tests)
 
@@ -101,12 +103,31 @@ class WhiteBox:
             raise SipitInputError("empty prompt: there is nothing to invert")
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise SipitInputError(f"token ids must lie in 0..{self.vocab_size - 1}")
+        self.check_length(ids.numel())
         return ids
 
+    def check_length(self, n_positions: int, what: str = "the sequence") -> None:
+        """Refuse ``n_positions`` beyond the model's context length (:attr:`context_length`)."""
+        if self.context_length is not None and n_positions > self.context_length:
+            raise SipitInputError(
+                f"{what}: {n_positions} positions, more than the model's context length of "
+                f"{self.context_length} tokens"
+            )
+
     def check_states(self, states: torch.Tensor) -> torch.Tensor:
-        """Observed states as a finite ``(T, d)`` float tensor on the model's device."""
+        """Observed states as a finite ``(T, d)`` float tensor on the model's device.
+
+        Refused: non-tensors, integer/bool dtypes (cast states have lost what the attack compares),
+        wrong shapes, more positions than the context, NaN/inf, and states so large that their
+        squared norms overflow float32 (every distance would be inf: no token could be chosen).
+        """
         if not isinstance(states, torch.Tensor):
             raise SipitInputError(f"states must be a torch.Tensor, got {type(states).__name__}")
+        if not states.is_floating_point():
+            raise SipitInputError(
+                f"states must be a real floating-point tensor, got dtype {states.dtype} "
+                "(hidden states are floats; integer states have lost the values the attack compares)"
+            )
         if states.dim() != 2 or states.shape[1] != self.d:
             hint = (
                 " (a pooled exposure holds no per-position states: per-position attacks cannot run "
@@ -118,9 +139,18 @@ class WhiteBox:
             )
         if states.shape[0] == 0:
             raise SipitInputError("states hold no positions: there is nothing to invert")
+        self.check_length(states.shape[0], "the states")
         if not torch.isfinite(states).all():
             bad = (~torch.isfinite(states)).any(dim=1).nonzero().flatten().tolist()
             raise SipitInputError(f"states contain NaN or inf at positions {bad[:10]}")
+        squared = states.detach().float().pow(2).sum(dim=-1)
+        if not torch.isfinite(squared).all():
+            bad = (~torch.isfinite(squared)).nonzero().flatten().tolist()
+            raise SipitInputError(
+                f"states at positions {bad[:10]} are too large (max |x| = {float(states.abs().max()):.3g}): "
+                "their squared norms overflow float32, so no distance to them is finite; real hidden "
+                "states are many orders of magnitude smaller (were they rescaled?)"
+            )
         return states.to(device=self.device, dtype=self.embedding.weight.dtype)
 
     # ------------------------------------------------------------------------------ forward

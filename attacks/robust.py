@@ -54,8 +54,8 @@ from attacks.result import Inversion, PositionRecord
 from attacks.surrogate import LinearSurrogate, SurrogateFit, vocabulary_states
 from sipit.margins import distances_to_all
 from sipit.prior import NextTokenPrior
-from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
-from sipit.whitebox import PrefixCache, WhiteBox
+from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius, check_rel_tol
+from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
 
 STOP_RULES = ("exact", "heuristic", "shortlist")
 RANKINGS = ("surrogate", "gradient")
@@ -80,11 +80,24 @@ def effective_sigmas(observed: torch.Tensor, sigma: float, rel_tol: float) -> li
     return [max(float(sigma), float(f)) for f in floor]
 
 
-def _check(sigma: float, alpha: float) -> None:
+def _check(sigma: float, alpha: float, rel_tol: float) -> None:
     if not sigma >= 0 or not math.isfinite(sigma):
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    check_rel_tol(rel_tol)
+
+
+def _record(position: int, token: int, distance: float, radius: float, tried: int, seconds: float) -> PositionRecord:
+    """The record of a decoded position; verified only for a finite distance inside the radius.
+
+    A decoder that found no candidate at a finite distance has no answer: it raises instead of
+    returning a placeholder token."""
+    if token < 0 or not math.isfinite(distance):
+        raise SipitInputError(
+            f"position {position}: no candidate lies at a finite distance from the observed state "
+            f"(distance {distance}); the states are outside what this model produces")
+    return PositionRecord(position, token, distance, radius, tried, seconds, distance <= radius)
 
 
 @dataclass
@@ -251,7 +264,7 @@ class _Greedy:
     uses_prior = False
 
     def __init__(self, sigma: float, *, alpha: float, rel_tol: float, scorer: CandidateScorer, progress: bool):
-        _check(sigma, alpha)
+        _check(sigma, alpha, rel_tol)
         self.sigma, self.alpha, self.rel_tol, self.scorer, self.progress = sigma, alpha, rel_tol, scorer, progress
         self.last_candidates: list[torch.Tensor] = []  # candidates scored per position (last call)
 
@@ -278,7 +291,7 @@ class _Greedy:
             radius = chi2_radius(sigmas[t], whitebox.d, self.alpha)
             token, dist, tried = self.decode_position(
                 whitebox, prefix, observed[t], prior.logprobs if prior is not None else None, sigmas[t], radius)
-            records.append(PositionRecord(t, token, dist, radius, tried, time.perf_counter() - t0, dist <= radius))
+            records.append(_record(t, token, dist, radius, tried, time.perf_counter() - t0))
             if t + 1 < observed.shape[0]:
                 prefix = whitebox.extend(prefix, token)
                 if prior is not None:
@@ -387,7 +400,7 @@ class BeamSipIt:
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
                  progress: bool = False, **shortlist):
         """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
-        _check(sigma, alpha)
+        _check(sigma, alpha, rel_tol)
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
@@ -409,7 +422,7 @@ class BeamSipIt:
     def _materialise(self, p: _Pending, whitebox, radius: float, seconds: float, last: bool) -> _Hyp:
         parent = p.parent
         t = len(parent.tokens)
-        record = PositionRecord(t, p.token, p.distance, radius, p.tried, seconds, p.distance <= radius)
+        record = _record(t, p.token, p.distance, radius, p.tried, seconds)
         prefix, prior = None, None
         if not last:
             prefix = whitebox.extend(parent.prefix, p.token)

@@ -38,6 +38,7 @@ import torch
 from attacks.result import Inversion, PositionRecord
 from defenses.pooling import Pooling
 from sipit.prior import NextTokenPrior
+from sipit.tolerance import check_rel_tol
 from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
 
 
@@ -77,7 +78,7 @@ class PooledBeamAttack:
         self.pooling = pooling
         self.beam, self.topk, self.full_vocab_limit, self.chunk = beam, topk, full_vocab_limit, chunk
         self.partial_weight, self.prior_weight = partial_weight, prior_weight
-        self.max_length, self.rel_tol = max_length, rel_tol
+        self.max_length, self.rel_tol = max_length, check_rel_tol(rel_tol)
 
     @property
     def name(self) -> str:

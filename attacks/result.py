@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+#: fraction of unverified positions from which an exact attack's result suggests the wrong layer
+UNVERIFIED_HINT_FRACTION = 0.5
 
 
 @dataclass
@@ -47,6 +51,11 @@ class Inversion:
             return 0.0
         return self.candidates_tried / (len(self.positions) * self.vocab_size)
 
+    @property
+    def unverified(self) -> int:
+        """Positions where no candidate fell inside the acceptance radius."""
+        return sum(not p.verified for p in self.positions)
+
     def token_accuracy(self, truth: list[int]) -> float:
         """Fraction of positions decoded to the true token."""
         if len(truth) != len(self.ids):
@@ -58,3 +67,20 @@ class Inversion:
         out.update(candidates_tried=self.candidates_tried, all_verified=self.all_verified,
                    explored_fraction=self.explored_fraction)
         return out
+
+
+def layer_hint(inversions: Iterable[Inversion], layer: int) -> str | None:
+    """A hint for the user when most positions of an exact attack stayed unverified, else None.
+
+    Exact states of the named layer verify at (nearly) every position; states of another layer,
+    or of another model, verify almost nowhere. Noise-robust decoders and heads have their own
+    notion of ``verified``: call this for exact attacks (SipIt, BruteForce) only.
+    """
+    inversions = list(inversions)
+    total = sum(len(inv.positions) for inv in inversions)
+    unverified = sum(inv.unverified for inv in inversions)
+    if not total or unverified < UNVERIFIED_HINT_FRACTION * total:
+        return None
+    what = "no position" if unverified == total else f"only {total - unverified} of {total} positions"
+    return (f"{what} verified (no candidate within the acceptance radius): are these states from layer "
+            f"{layer} of this model? check --layer (and --model)")

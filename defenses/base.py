@@ -59,6 +59,10 @@ class Defense(ABC):
         """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
         return 0.0
 
+    def check_model(self, loaded: LoadedModel) -> None:
+        """Raise :class:`DefenseParamError` if the parameters do not fit ``loaded`` (e.g. more groups
+        than tokens); cheap, so callers run it before any heavy work. Default: every model fits."""
+
     @abstractmethod
     def params(self) -> dict:
         """The validated parameters, for logging."""
@@ -163,6 +167,10 @@ class Chain(Defense):
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Independent Gaussian noise adds in quadrature."""
         return float(sum(m.noise_sigma(states) ** 2 for m in self.members) ** 0.5)
+
+    def check_model(self, loaded: LoadedModel) -> None:
+        for member in self.members:
+            member.check_model(loaded)
 
     def params(self) -> dict:
         return {"members": [{"name": m.name, **m.params()} for m in self.members]}

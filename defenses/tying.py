@@ -80,18 +80,23 @@ class WeightTying(Defense):
         self._token_group: torch.Tensor | None = None
         self._cache: tuple[nn.Module, LoadedModel] | None = None
 
+    def check_model(self, loaded: LoadedModel) -> None:
+        """groups must not exceed the vocabulary, rare must stay below it."""
+        vocab = loaded.model.get_input_embeddings().weight.shape[0]
+        if self.n_groups is not None and self.n_groups > vocab:
+            raise DefenseParamError(f"groups={self.n_groups} exceeds the vocabulary size {vocab} of {loaded.name}")
+        if self.rare is not None and self.rare >= vocab:
+            raise DefenseParamError(f"rare={self.rare} must be below the vocabulary size {vocab} of {loaded.name}")
+
     def fit(self, loaded: LoadedModel) -> torch.Tensor:
         """Compute the tied input-embedding matrix for ``loaded``; sets the token -> group map."""
+        self.check_model(loaded)
         emb = loaded.model.get_input_embeddings().weight.detach()
         vocab = emb.shape[0]
         if self.n_groups is not None:
-            if self.n_groups > vocab:
-                raise DefenseParamError(f"groups={self.n_groups} exceeds the vocabulary size {vocab}")
             labels, centroids = kmeans_groups(emb, self.n_groups, self.seed, self.max_iter)
             self._token_group = labels
             return centroids[labels].to(emb.dtype)
-        if self.rare >= vocab:
-            raise DefenseParamError(f"rare={self.rare} must be below the vocabulary size {vocab}")
         from defenses.utility import token_counts
 
         rep = rare_groups(emb, token_counts(loaded.tokenizer, vocab), self.rare)

@@ -8,7 +8,8 @@
   ImportError) into one line ``<prog>: error: ...`` on stderr with exit code 2 instead of a
   traceback (``SIPIT_TRACEBACK=1`` shows the traceback).
 - :func:`default_out_dir`: where every command writes without ``--out``.
-- :func:`shielded`: SIGINT/SIGTERM held off while an interrupted command cleans up.
+- :func:`interrupt_once`: the first SIGINT/SIGTERM interrupts, later ones are ignored while the
+  interrupted command cleans up.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from sipit.whitebox import SipitInputError
 
@@ -92,7 +96,8 @@ def check_names(value: str | Sequence[str], choices: Sequence[str], *, name: str
     names = split_list(value)
     bad = [n for n in names if n not in choices]
     if bad or not names:
-        raise usage_error(name, f"unknown {bad}: choose from {', '.join(choices)}" if bad else f"is empty: choose from {', '.join(choices)}")
+        problem = f"unknown {bad}" if bad else "is empty"
+        raise usage_error(name, f"{problem}: choose from {', '.join(choices)}")
     return names
 
 
@@ -134,3 +139,30 @@ def run_main(parser: argparse.ArgumentParser, command: Callable[[argparse.Namesp
         if os.environ.get("SIPIT_TRACEBACK"):
             raise
         parser.exit(2, f"{parser.prog}: error: {one_line(err)}\n")
+
+
+# --------------------------------------------------------------------------- interruptions
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def interrupt_once() -> Iterator[None]:
+    """Inside the block the first SIGINT or SIGTERM raises KeyboardInterrupt and every later one is
+    ignored until the block ends, so the cleanup that handles the interruption (written inside the
+    block, in an ``except KeyboardInterrupt``) cannot itself be cut short by a second Ctrl-C.
+    Outside the main thread (where signals cannot be handled) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def first(signum, frame):
+        for sig in INTERRUPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, first) for sig in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

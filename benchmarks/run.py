@@ -43,8 +43,6 @@ import argparse
 import csv
 import hashlib
 import json
-import math
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,13 +51,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks.cli import UsageError, arg, check_float, check_int, check_names, default_out_dir, interrupt_once, run_main
+
 ATTACKS = ("sipit", "softmax-head", "bruteforce")
+EXACT_ATTACKS = ("sipit", "bruteforce")  # on exact exposure their "verified" flags mean what layer_hint assumes
 ROBUST = ("radius", "map", "beam", "shortlist")
 DEFAULTS = dict(n_prompts=4, length=12, head_tokens=4096, head_epochs=40, margin_positions=1, utility_tokens=1024)
+#: the smallest value of each integer option (flag -> minimum), checked by the CLI and run_benchmark alike
+MINIMUMS = {"--n-prompts": 1, "--length": 1, "--head-tokens": 64, "--head-epochs": 1, "--beam-width": 1,
+            "--utility-tokens": 0, "--margin-positions": -1}
+
+BenchmarkUsageError = UsageError  # the name callers of run_benchmark know
 
 
-class BenchmarkUsageError(ValueError):
-    """Bad options: reported as a usage error before any heavy work."""
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped the run; ``str()`` says what the cleanup actually did."""
 
 
 @dataclass
@@ -72,32 +78,16 @@ class _State:
 
 
 # --------------------------------------------------------------------------- option handling
-def parse_list(values, choices: tuple[str, ...] | None, what: str) -> list[str]:
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    names = [n.strip() for v in values for n in str(v).split(",") if n.strip()]
-    if choices is not None:
-        bad = [n for n in names if n not in choices]
-        if bad:
-            raise BenchmarkUsageError(f"unknown {what} {bad}: choose from {', '.join(choices)}")
-    return names
-
-
 def defense_params(names: list[str], *, sigma, sigma_rel, placement, quant, quant_activations, tie_groups,
                    tie_rare, pool, pool_window, pool_dims, seed) -> dict:
     """CLI options -> keyword parameters of the registered defences (validated by them)."""
     params: dict = {}
     if sigma is not None and sigma_rel is not None:
         raise BenchmarkUsageError("give either --sigma (absolute) or --sigma-rel (relative to the state RMS), not both")
-    for value, flag in ((sigma, "--sigma"), (sigma_rel, "--sigma-rel")):
-        if value is not None and (not math.isfinite(value) or value < 0):
-            raise BenchmarkUsageError(f"{flag} must be a finite number >= 0, got {value}")
     if sigma is not None:
-        params.update(sigma=float(sigma), relative_to="abs")
+        params.update(sigma=check_float(sigma, low=0.0, name="--sigma"), relative_to="abs")
     if sigma_rel is not None:
-        params.update(sigma=float(sigma_rel), relative_to="rms")
+        params.update(sigma=check_float(sigma_rel, low=0.0, name="--sigma-rel"), relative_to="rms")
     if placement is not None:
         params["placement"] = placement
     if "noise" in names:
@@ -270,9 +260,10 @@ def run_benchmark(
 ) -> dict:
     """Run the benchmark; return the results dict (also written to ``out``/results.json).
 
-    Raises :class:`BenchmarkUsageError` for bad options before any heavy work. On Ctrl-C the
-    partial results are written (``status: interrupted``), the MLflow runs are marked FAILED and
-    ``KeyboardInterrupt`` propagates.
+    Raises :class:`BenchmarkUsageError` for bad options before any heavy work. On Ctrl-C (or
+    SIGTERM) once the run has started, further Ctrl-C are ignored while the partial results are
+    written (``status: interrupted``) and the MLflow runs are marked FAILED; then
+    :class:`RunInterrupted` (a KeyboardInterrupt) propagates, saying what the cleanup did.
     """
     from benchmarks import tracking as tracking_mod
     from benchmarks.prompts import PROMPT_SETS, named_prompt_set, read_texts
@@ -284,21 +275,15 @@ def run_benchmark(
     started = time.perf_counter()
     model = model or DEFAULT_MODEL
     # ---------------------------------------------------------------- validate (cheap) first
-    defense_names = parse_list(defense if defense is not None else "none", tuple(DEFENSES), "defence") or ["none"]
+    defense_names = check_names(defense if defense is not None else "none", tuple(DEFENSES), name="--defense")
     if len(defense_names) > 1:
         defense_names = [n for n in defense_names if n != "none"]
-    attack_names = parse_list(attacks, ATTACKS, "attack")
-    if not attack_names:
-        raise BenchmarkUsageError(f"no attack given: choose from {', '.join(ATTACKS)}")
-    if robust not in ROBUST:
-        raise BenchmarkUsageError(f"unknown robust decoder {robust!r}: choose from {', '.join(ROBUST)}")
-    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 1), (head_tokens, "--head-tokens", 64),
-                             (head_epochs, "--head-epochs", 1), (beam_width, "--beam-width", 1),
-                             (utility_tokens, "--utility-tokens", 0)):
-        if value < low:
-            raise BenchmarkUsageError(f"{flag} must be >= {low}, got {value}")
-    if margin_positions < -1:
-        raise BenchmarkUsageError(f"--margin-positions must be >= -1 (-1 = all), got {margin_positions}")
+    attack_names = check_names(attacks, ATTACKS, name="--attacks")
+    check_names(robust, ROBUST, name="--robust")
+    for value, flag in ((n_prompts, "--n-prompts"), (length, "--length"), (head_tokens, "--head-tokens"),
+                        (head_epochs, "--head-epochs"), (beam_width, "--beam-width"),
+                        (utility_tokens, "--utility-tokens"), (margin_positions, "--margin-positions")):
+        check_int(value, low=MINIMUMS[flag], name=flag)
     if prompts not in PROMPT_SETS:
         try:
             read_texts(prompts)
@@ -318,7 +303,7 @@ def run_benchmark(
                   n_prompts=n_prompts, length=length, seed=seed, head_tokens=head_tokens, head_epochs=head_epochs,
                   margin_positions=margin_positions, utility_tokens=utility_tokens, experiment=experiment)
     chash = config_hash(config)
-    out_dir = Path(out) if out is not None else tracking_mod.REPO_ROOT / "results" / f"run-{chash}"
+    out_dir = Path(out) if out is not None else default_out_dir(f"run-{chash}")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -344,6 +329,14 @@ def run_benchmark(
     except SipitInputError as err:
         raise BenchmarkUsageError(f"--layer: {err}") from None
     try:
+        clean_wb.check_length(length, "--length")
+    except SipitInputError as err:
+        raise BenchmarkUsageError(str(err)) from None
+    try:
+        chain.check_model(loaded)
+    except DefenseParamError as err:
+        raise BenchmarkUsageError(f"--defense {','.join(defense_names)}: {err}") from None
+    try:
         prompt_set = named_prompt_set(prompts, loaded.tokenizer, n_prompts, length=length, seed=seeds["prompts"])
     except ValueError as err:
         raise BenchmarkUsageError(f"--prompts {prompts!r}: {err}") from None
@@ -365,55 +358,88 @@ def run_benchmark(
         "out": str(out_dir),
     }
     state = _State(results)
-    if tracker is not None:
+    with interrupt_once():
         try:
-            tracker.start_parent(f"{','.join(defense_names)}-{chash[:6]}", {
-                "config": config, "seeds": seeds, "packages": results["packages"],
-                "git_commit": results["git_commit"], "model_info": results["model"]},
-                {"config_hash": chash, "git_commit": results["git_commit"], "defense": ",".join(defense_names),
-                 "model": loaded.name})
-            results["tracking"]["run_id"] = tracker.parent_id
-        except Exception as err:  # noqa: BLE001
-            tracking_error = f"cannot log to MLflow store {tracker.uri!r}: {type(err).__name__}: {err}"
-            results["tracking"]["error"] = tracking_error
-            log(f"error: {tracking_error}\n  -> continuing without MLflow", file=sys.stderr)
-            tracker = None
-
-    try:
-        _run(state, tracker, loaded, clean_wb, layer_r, chain, prompt_set, attack_names, seeds,
-             robust=robust, beam_width=beam_width, knows_defense=knows_defense, head_tokens=head_tokens,
-             head_epochs=head_epochs, margin_positions=margin_positions, utility_tokens=utility_tokens,
-             progress=progress, log=log)
-        results["status"] = "finished"
-    except KeyboardInterrupt:
-        results["status"] = "interrupted"
-        results["seconds"] = time.perf_counter() - started
-        write_outputs(out_dir, state)
-        if tracker is not None:
-            tracker.fail("interrupted (KeyboardInterrupt): partial results in " + str(out_dir))
-        raise
-    except BaseException as err:
-        results["status"] = f"failed: {type(err).__name__}: {err}"
-        results["seconds"] = time.perf_counter() - started
-        write_outputs(out_dir, state)
-        if tracker is not None:
-            tracker.fail(results["status"])
-        raise
-    results["seconds"] = time.perf_counter() - started
-    paths = write_outputs(out_dir, state)
-    if tracker is not None:
-        try:
-            parent = tracker.parent_id
-            tracker.log_metrics(parent, {"seconds_total": results["seconds"], **_flat_metrics(results)})
-            tracker.log_artifacts(parent, paths)
-            tracker.finish(parent)
-            results["tracking"]["url"] = tracker.run_url()
-        except Exception as err:  # noqa: BLE001
-            results["tracking"]["error"] = f"logging failed: {type(err).__name__}: {err}"
-            tracker.fail(results["tracking"]["error"])
-            log(f"error: {results['tracking']['error']}", file=sys.stderr)
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+            tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log)
+            _run(state, tracker, loaded, clean_wb, layer_r, chain, prompt_set, attack_names, seeds,
+                 robust=robust, beam_width=beam_width, knows_defense=knows_defense, head_tokens=head_tokens,
+                 head_epochs=head_epochs, margin_positions=margin_positions, utility_tokens=utility_tokens,
+                 progress=progress, log=log)
+            results["status"] = "finished"
+            results["seconds"] = time.perf_counter() - started
+            _finish(state, tracker, out_dir, log)
+        except KeyboardInterrupt:  # later Ctrl-C are ignored from here on (interrupt_once)
+            log("\ninterrupted: writing partial results and closing the MLflow runs (further Ctrl-C ignored)",
+                file=sys.stderr)
+            raise RunInterrupted(_close(state, tracker, out_dir, "interrupted", started)) from None
+        except BaseException as err:
+            _close(state, tracker, out_dir, f"failed: {type(err).__name__}: {err}", started)
+            raise
     return results
+
+
+def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, model_name: str, log):
+    """Open the parent MLflow run; on a store error, record it and go on without tracking (None)."""
+    if tracker is None:
+        return None
+    try:
+        tracker.start_parent(f"{','.join(defense_names)}-{chash[:6]}", {
+            "config": results["config"], "seeds": results["seeds"], "packages": results["packages"],
+            "git_commit": results["git_commit"], "model_info": results["model"]},
+            {"config_hash": chash, "git_commit": results["git_commit"], "defense": ",".join(defense_names),
+             "model": model_name})
+    except Exception as err:  # noqa: BLE001
+        tracker.fail(f"cannot start the run: {err}")
+        results["tracking"]["error"] = f"cannot log to MLflow store {tracker.uri!r}: {type(err).__name__}: {err}"
+        log(f"error: {results['tracking']['error']}\n  -> continuing without MLflow", file=sys.stderr)
+        return None
+    results["tracking"]["run_id"] = tracker.parent_id
+    return tracker
+
+
+def _finish(state: _State, tracker, out_dir: Path, log) -> None:
+    """Write the outputs of a finished run and log them on the parent run, closed FINISHED."""
+    results = state.results
+    paths = write_outputs(out_dir, state)
+    if tracker is None:
+        return
+    try:
+        parent = tracker.parent_id
+        tracker.log_metrics(parent, {"seconds_total": results["seconds"], **_flat_metrics(results)})
+        tracker.log_artifacts(parent, paths)
+        tracker.finish(parent)
+        results["tracking"]["url"] = tracker.run_url()
+    except Exception as err:  # noqa: BLE001
+        results["tracking"]["error"] = f"logging failed: {type(err).__name__}: {err}"
+        tracker.fail(results["tracking"]["error"])
+        log(f"error: {results['tracking']['error']}", file=sys.stderr)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def _close(state: _State, tracker, out_dir: Path, status: str, started: float) -> str:
+    """Write the partial results and mark the open MLflow runs FAILED; return what really happened."""
+    state.results["status"] = status
+    state.results["seconds"] = time.perf_counter() - started
+    done = []
+    try:
+        write_outputs(out_dir, state)
+        done.append(f"partial results written to {out_dir}")
+    except Exception as err:  # noqa: BLE001 - report it, the runs must still be closed
+        done.append(f"writing partial results to {out_dir} FAILED ({type(err).__name__}: {err})")
+    if tracker is None:
+        done.append("no MLflow run was open")
+        return "; ".join(done)
+    open_runs = list(tracker.open_runs)
+    tracker.fail(f"{status}: partial results in {out_dir}")
+    try:
+        statuses = [tracker.client.get_run(run_id).info.status for run_id in open_runs]
+    except Exception as err:  # noqa: BLE001
+        done.append(f"MLflow run status unknown ({type(err).__name__}: {err})")
+        return "; ".join(done)
+    failed = sum(s == "FAILED" for s in statuses)
+    done.append(f"{failed} of {len(statuses)} open MLflow runs marked FAILED" if failed < len(statuses)
+                else f"MLflow run{'s' if len(statuses) > 1 else ''} marked FAILED ({len(statuses)})")
+    return "; ".join(done)
 
 
 def _flat_metrics(results: dict) -> dict:
@@ -441,6 +467,7 @@ def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set
          robust, beam_width, knows_defense, head_tokens, head_epochs, margin_positions, utility_tokens, progress, log):
     from attacks.head import train_head
     from attacks.policies import RandomPolicy
+    from attacks.result import layer_hint
     from attacks.sipit import SipIt
     from benchmarks.corpus import corpus_states, corpus_windows, overlap_with
     from benchmarks.metrics import median, summarise
@@ -591,6 +618,10 @@ def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set
             summary.update(summarise(result_name, truths[: i + 1], inversions).to_dict())
             if not progress:
                 log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
+        hint = layer_hint(inversions, layer) if kind in EXACT_ATTACKS and all(exact_flags) else None
+        if hint:
+            summary["hint"] = hint
+            log(f"[run] {result_name}: hint: {hint}", file=sys.stderr)
         if child is not None:
             tracker.log_metrics(child, {k: v for k, v in summary.items() if k not in ("attack", "decoder")})
             tracker.finish(child)
@@ -603,6 +634,20 @@ def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set
 
 
 # --------------------------------------------------------------------------- CLI
+def _minimum(flag: str):
+    """The argparse type of an integer option with its :data:`MINIMUMS` bound."""
+    return arg(check_int, low=MINIMUMS[flag])
+
+
+def _default_noise_sigma() -> float:
+    """The relative sigma the noise defence uses when given no sigma (its own default)."""
+    import inspect
+
+    from defenses.noise import GaussianNoise
+
+    return inspect.signature(GaussianNoise).parameters["sigma"].default
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.tracking import default_tracking_uri
     from defenses.registry import DEFENSES
@@ -614,8 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defense", action="append", default=None,
                    help=f"defence(s), repeatable or comma-chained, applied in order: {', '.join(DEFENSES)}")
     g = p.add_argument_group("defence parameters")
-    g.add_argument("--sigma", type=float, help="noise: absolute per-coordinate sigma")
-    g.add_argument("--sigma-rel", type=float, help="noise: sigma as a multiple of the state RMS")
+    noise_default = f"--sigma-rel {_default_noise_sigma():g}"
+    g.add_argument("--sigma", type=arg(check_float, low=0.0), default=argparse.SUPPRESS,
+                   help=f"noise: absolute per-coordinate sigma (neither --sigma nor --sigma-rel: {noise_default})")
+    g.add_argument("--sigma-rel", type=arg(check_float, low=0.0), default=argparse.SUPPRESS,
+                   help=f"noise: sigma as a multiple of the state RMS (neither --sigma nor --sigma-rel: {noise_default})")
     g.add_argument("--placement", choices=("exposure", "model"), help="noise: on the exposed copy or inside the model")
     g.add_argument("--quant", help="quant: weight kind (e.g. int8, nf4, fp4, none)")
     g.add_argument("--quant-activations", help="quant: activation kind of the exposed states")
@@ -627,46 +675,44 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("attacks")
     a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(ATTACKS)}")
     a.add_argument("--robust", default="radius", choices=ROBUST, help="noise-robust SipIt decoder used under noise")
-    a.add_argument("--beam-width", type=int, default=4)
+    a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")
-    a.add_argument("--head-tokens", type=int, default=DEFAULTS["head_tokens"], help="softmax-head training corpus tokens")
-    a.add_argument("--head-epochs", type=int, default=DEFAULTS["head_epochs"])
+    a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS["head_tokens"],
+                   help="softmax-head training corpus tokens")
+    a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS["head_epochs"])
     d = p.add_argument_group("data and measurement")
     d.add_argument("--prompts", default="mixed", help="prompt set (mixed, natural, random) or a text file, one per line")
-    d.add_argument("--n-prompts", type=int, default=DEFAULTS["n_prompts"])
-    d.add_argument("--length", type=int, default=DEFAULTS["length"], help="tokens per prompt")
+    d.add_argument("--n-prompts", type=_minimum("--n-prompts"), default=DEFAULTS["n_prompts"])
+    d.add_argument("--length", type=_minimum("--length"), default=DEFAULTS["length"],
+                   help="tokens per prompt (at most the model's context length)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--margin-positions", type=int, default=DEFAULTS["margin_positions"],
+    d.add_argument("--margin-positions", type=_minimum("--margin-positions"), default=DEFAULTS["margin_positions"],
                    help="positions with an exact full-vocabulary margin Delta (-1 = all)")
-    d.add_argument("--utility-tokens", type=int, default=DEFAULTS["utility_tokens"], help="0 skips the utility cost")
+    d.add_argument("--utility-tokens", type=_minimum("--utility-tokens"), default=DEFAULTS["utility_tokens"],
+                   help="0 skips the utility cost")
     t = p.add_argument_group("output")
     t.add_argument("--tracking-uri", default=None, help=f"MLflow tracking URI (default {default_tracking_uri()})")
     t.add_argument("--experiment", default="sipit-bench")
     t.add_argument("--no-tracking", dest="track", action="store_false", help="do not log to MLflow")
-    t.add_argument("--out", default=None, help="results folder (default results/run-<config hash>)")
+    t.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('run-<config hash>')})")
     t.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-
-    def on_term(signum, frame):  # `kill` / timeout: close like Ctrl-C (partial results, FAILED runs)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+def run_command(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed options; print the table (0), or why it stopped (130, 3)."""
 
     def log(*items, **kwargs):
         print(*items, **kwargs, flush=True)
 
     try:
         results = run_benchmark(**vars(args), log=log)
-    except BenchmarkUsageError as err:
-        parser.error(str(err))
+    except RunInterrupted as report:
+        print(f"interrupted: {report}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
-        print("\ninterrupted: partial results written; MLflow run marked FAILED", file=sys.stderr)
+        print("\ninterrupted before the run started: nothing written, no MLflow run opened", file=sys.stderr)
         return 130
     print(format_table(results))
     print(f"results: {results['out']}/results.json")
@@ -677,6 +723,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow run {results['tracking']['run_id']} (open with the command in mlflow/README.md): "
               f"{results['tracking']['url']}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), run_command, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ observed state, and the vocabulary is exhausted if needed (PAPER.md, "SipIt").
   model's guess costs one incremental full-model position and is right most of the time on
   natural text; random-token prompts fall through to the gradient ranking). The first batch at
   a position is the prior's top candidates alone; later batches interleave both rankings.
+- :class:`LearnedPolicy` — learned proposals: position 0 from the position-0 table (the nearest
+  rows of F_v = Phi^l(v)_0, sipit.vocab_table), later positions by the inverse head's log q(v|h~)
+  plus the prior's log P(v|p_t) (attacks.proposals); after ``trust`` candidates it interleaves the
+  gradient ranking as a fallback. It starts with single-candidate batches (``first_batch = 1``).
+
+Policies may build per-(model, layer) resources once in ``prepare`` (before the decode loop).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Protocol
 
 import torch
 
+from attacks.proposals import HeadConfig, HeadReport, InverseHead, inverse_head
+from sipit.vocab_table import VocabTable, position_zero_table
 from sipit.whitebox import PrefixCache, WhiteBox
 
 
@@ -40,6 +48,9 @@ class CandidatePolicy(Protocol):
     """Orders candidates: returns up to ``n`` untried token ids, best first."""
 
     name: str
+    first_batch: int  # candidates in the first batch verified at a position
+
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> None: ...
 
     def start(self, ctx: StepContext) -> None: ...
 
@@ -55,9 +66,13 @@ class RandomPolicy:
     """BruteForce: verify tokens in a seeded random order."""
 
     name = "random"
+    first_batch = 16
 
     def __init__(self) -> None:
         self._order: torch.Tensor | None = None
+
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> None:
+        """Nothing to build."""
 
     def start(self, ctx: StepContext) -> None:
         self._order = torch.randperm(ctx.whitebox.vocab_size, generator=ctx.generator)
@@ -70,19 +85,23 @@ class GradientPolicy:
     """Gradient-guided order (with the model's next-token prior interleaved where available)."""
 
     name = "gradient"
+    first_batch = 16
 
-    def __init__(self, prior_share: float = 0.5) -> None:
+    def __init__(self, prior_share: float = 0.5, use_prior: bool = True) -> None:
         if not 0.0 <= prior_share <= 1.0:
             raise ValueError(f"prior_share must lie in [0, 1], got {prior_share}")
         self.prior_share = prior_share
+        self.use_prior = use_prior
         self._prior_order: torch.Tensor | None = None
         self._grad_order: torch.Tensor | None = None
         self._anchor_used: int | None = -1
 
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> None:
+        """Nothing to build."""
+
     def start(self, ctx: StepContext) -> None:
-        self._prior_order = (
-            torch.argsort(ctx.prior_logprobs, descending=True) if ctx.prior_logprobs is not None else None
-        )
+        use = self.use_prior and ctx.prior_logprobs is not None
+        self._prior_order = torch.argsort(ctx.prior_logprobs, descending=True) if use else None
         self._grad_order = None
         self._anchor_used = -1
 
@@ -114,11 +133,58 @@ class GradientPolicy:
         return torch.cat([from_prior, from_grad])
 
 
-POLICIES = {"random": RandomPolicy, "gradient": GradientPolicy}
+class LearnedPolicy:
+    """Position-0 table, then inverse head + prior, then the gradient ranking interleaved."""
+
+    name = "learned"
+    first_batch = 1
+
+    def __init__(self, head_config: HeadConfig | None = None, trust: int = 256, progress: bool = False) -> None:
+        if trust < 1:
+            raise ValueError(f"trust must be >= 1, got {trust}")
+        self.head_config = head_config or HeadConfig()
+        self.trust, self.progress = trust, progress
+        self.table: VocabTable | None = None
+        self.head: InverseHead | None = None
+        self.head_report: HeadReport | None = None
+        self._order: torch.Tensor | None = None
+        self._fallback = GradientPolicy(use_prior=False)
+
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> None:
+        """Load or build the position-0 table and the inverse head of (model, ``layer``)."""
+        if tokenizer is None:
+            raise ValueError("the learned policy trains its head on text: pass the tokenizer to invert()")
+        self.table = position_zero_table(whitebox, layer, progress=self.progress)
+        self.head, self.head_report = inverse_head(whitebox, tokenizer, layer, self.head_config,
+                                                   progress=self.progress)
+
+    def scores(self, ctx: StepContext) -> torch.Tensor:
+        """Higher is likelier, ``(V,)``: -||F_v - h~||^2 at position 0, else log q(v|h~) + log P(v|p_t)."""
+        if self.table is None or self.head is None:
+            raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
+        if ctx.prefix.length == 0:
+            return -(self.table.states - ctx.target).pow(2).sum(1)
+        score = self.head.log_probs(ctx.target)
+        return score + ctx.prior_logprobs.cpu() if ctx.prior_logprobs is not None else score
+
+    def start(self, ctx: StepContext) -> None:
+        self._order = torch.argsort(self.scores(ctx), descending=True).to(ctx.whitebox.device)
+        self._fallback.start(ctx)
+
+    def propose(self, ctx: StepContext, tried: torch.Tensor, n: int) -> torch.Tensor:
+        if int(tried.sum()) < self.trust:
+            return _take_untried(self._order, tried, n)
+        from_learned = _take_untried(self._order, tried, (n + 1) // 2)
+        seen = tried.clone()
+        seen[from_learned] = True
+        return torch.cat([from_learned, self._fallback.propose(ctx, seen, n - len(from_learned))])
+
+
+POLICIES = {"random": RandomPolicy, "gradient": GradientPolicy, "learned": LearnedPolicy}
 
 
 def make_policy(name: str) -> CandidatePolicy:
-    """A policy by name (``random`` or ``gradient``)."""
+    """A policy by name (``random``, ``gradient`` or ``learned``)."""
     try:
         return POLICIES[name]()
     except KeyError:

@@ -44,7 +44,7 @@ class SipIt:
         policy: CandidatePolicy | None = None,
         *,
         rel_tol: float = DEFAULT_REL_TOL,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         max_batch: int = 512,
         use_prior: bool = True,
         seed: int = 0,
@@ -52,9 +52,10 @@ class SipIt:
     ):
         if rel_tol <= 0:
             raise ValueError(f"rel_tol must be positive, got {rel_tol}")
+        self.policy = policy if policy is not None else GradientPolicy()
+        batch_size = self.policy.first_batch if batch_size is None else batch_size
         if batch_size < 1 or max_batch < batch_size:
             raise ValueError("need 1 <= batch_size <= max_batch")
-        self.policy = policy if policy is not None else GradientPolicy()
         self.rel_tol = rel_tol
         self.batch_size = batch_size
         self.max_batch = max_batch
@@ -71,6 +72,7 @@ class SipIt:
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed)
         radii = acceptance_radius(observed, self.rel_tol)
+        self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer): not timed below
         generator = torch.Generator().manual_seed(self.seed)
         prior = NextTokenPrior(whitebox.model) if self.use_prior else None
         prefix = whitebox.prefix_cache([], layer)

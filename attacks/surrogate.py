@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from sipit.margins import all_states
+from sipit.vocab_table import position_zero_table
 from sipit.whitebox import PrefixCache, WhiteBox
 
-# Per WhiteBox: {layer: (V, d) position-0 states}, {layer: (V, d+1) design matrix}, memoised fits.
-_FIRST_STATES: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+# Per WhiteBox: {layer: (V, d+1) design matrix}, memoised fits and full-vocabulary tables.
 _DESIGNS: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _FITS: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
 _TABLES: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
@@ -43,15 +43,9 @@ MEMO_SIZE = 256  # fits kept per WhiteBox (~5 MB each at d = 576)
 TABLE_MEMO_SIZE = 24  # full-vocabulary tables kept per WhiteBox (V x d each: 113 MB for smollm2)
 
 
-@torch.no_grad()
 def first_token_states(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> torch.Tensor:
-    """F_v = Phi^l(v)_0 for every token v, ``(V, d)``: prefix-free, computed once per (model, layer)."""
-    per_layer = _FIRST_STATES.setdefault(whitebox, {})
-    if layer not in per_layer:
-        empty = whitebox.prefix_cache([], layer)
-        per_layer[layer] = torch.cat([whitebox.step(empty, c).states
-                                      for c in torch.arange(whitebox.vocab_size).split(chunk)])
-    return per_layer[layer]
+    """F_v = Phi^l(v)_0 for every token v, ``(V, d)``: the position-0 table (sipit.vocab_table)."""
+    return position_zero_table(whitebox, layer, chunk=chunk).states
 
 
 @torch.no_grad()

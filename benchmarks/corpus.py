@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from attacks.corpus import DEFAULT_WINDOW, corpus_windows
 from sipit.models import cache_dir
 
 DEFAULT_CORPUS_TOKENS = 4096
-DEFAULT_WINDOW = 64
 
 
 @dataclass
@@ -43,28 +43,6 @@ class CorpusStates:
 
     def __len__(self) -> int:
         return int(self.ids.numel())
-
-
-def corpus_text() -> str:
-    """The whole ``pydoc_data.topics`` text, topics in sorted order, joined by blank lines."""
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def corpus_windows(tokenizer, n_tokens: int = DEFAULT_CORPUS_TOKENS, window: int = DEFAULT_WINDOW) -> list[list[int]]:
-    """The first ``n_tokens`` corpus tokens as consecutive windows of ``window`` tokens."""
-    if n_tokens < 2:
-        raise ValueError(f"the head corpus needs at least 2 tokens, got {n_tokens}")
-    if window < 1:
-        raise ValueError(f"window must be positive, got {window}")
-    text = corpus_text()
-    # Tokenising all ~1 MB is slow on big vocabularies; ~8 characters per token is generous.
-    ids = tokenizer(text[: 8 * n_tokens + 1000], add_special_tokens=False).input_ids[:n_tokens]
-    if len(ids) < n_tokens:
-        ids = tokenizer(text, add_special_tokens=False).input_ids[:n_tokens]
-    return [ids[i : i + window] for i in range(0, len(ids), window)]
 
 
 def _slug(name: str) -> str:

@@ -76,6 +76,9 @@ class WhiteBox:
         self.context_length: int | None = int(context) if context else None
         self._token_embeddings: torch.Tensor | None = None
         self.blocks_run = 0  # blocks completed by this WhiteBox's forward passes (for tests)
+        # Results derived from this model alone (position-0 tables, inverse heads, weight hash),
+        # kept as long as the WhiteBox: one owner for every per-model cache, no module globals.
+        self.memo: dict = {}
 
     @property
     def device(self) -> torch.device:
@@ -215,6 +218,16 @@ class WhiteBox:
         ids = self.check_ids(ids)
         layer = self.resolve_layer(layer)
         return self._forward_to(self.embed(ids)[None], layer, 0, None)[0]
+
+    @torch.no_grad()
+    def states_batch(self, ids: torch.Tensor, layer: int) -> torch.Tensor:
+        """Phi^l of ``B`` equal-length sequences at once, ``(B, T)`` ids -> ``(B, T, d)`` states."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if ids.dim() != 2 or ids.numel() == 0:
+            raise SipitInputError(f"expected a (B, T) batch of token ids, got shape {tuple(ids.shape)}")
+        for row in ids:
+            self.check_ids(row)
+        return self._forward_to(self.embed(ids), self.resolve_layer(layer), 0, None)
 
     @torch.no_grad()
     def prefix_cache(self, prefix: torch.Tensor | list[int], layer: int) -> PrefixCache:

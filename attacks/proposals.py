@@ -1,0 +1,236 @@
+"""Learned candidate proposals: an inverse head per (model, layer) that ranks tokens for a state.
+
+The head maps a layer-l state h to a direction in the model's own input-embedding space and
+scores every token by the cosine to its embedding:
+
+    s_v(h) = cos( [z(h), 1] A , E_v ),    z(h) = (h - mean) / std,    A: (d+1, d_E)
+
+    log q(v | h) = log_softmax_v( s_v(h) / tau )
+
+``A`` is a ridge least-squares fit of the unit embedding E_{s_t}/||E_{s_t}|| of the true token
+on the standardised state, over (h_t, s_t) pairs of an offline corpus (attacks.corpus: Python's
+documentation plus seeded random-token windows; no evaluation prompt). One solve of a
+(d+1) x (d+1) system: seconds; the cost of a head is the forward pass over its corpus. ``tau`` is
+the temperature with the least held-out negative log-likelihood on a grid. Because the head
+targets the embedding geometry rather than a softmax over the tokens it has seen, it ranks tokens
+that never occur in its corpus too.
+
+The head only ORDERS candidates (attacks.policies.LearnedPolicy): exact SipIt verifies every
+candidate against the observed state, so a bad head costs time, never correctness.
+
+A head is cached in memory by the WhiteBox (``WhiteBox.memo``) and on disk under
+``sipit.models.cache_dir() / "heads"``, keyed by the model's weights (sipit.vocab_table
+.weights_fingerprint), the layer, the configuration and the corpus token ids; an unreadable or
+malformed file is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from attacks.corpus import corpus_windows, random_windows
+from sipit.models import cache_dir
+from sipit.vocab_table import weights_fingerprint
+from sipit.whitebox import WhiteBox
+
+TEMPERATURES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """How an inverse head is trained."""
+
+    n_text: int = 100_000  # tokens of pydoc text
+    n_random: int = 16_384  # tokens of seeded random-token windows
+    window: int = 64
+    lam: float = 1e-3  # ridge strength, relative to the number of training rows
+    heldout_fraction: float = 0.05  # last windows of each source, for tau and the recall report
+    seed: int = 0
+    windows_per_pass: int = 16  # windows per batched forward pass
+
+
+@dataclass
+class HeadReport:
+    """What a head cost and how well it ranks held-out corpus states."""
+
+    layer: int
+    n_train: int
+    n_heldout: int
+    top1: float  # held-out recall@1
+    top16: float  # held-out recall@16
+    median_rank: float
+    temperature: float
+    seconds: float  # building (states + fit), or loading from disk
+    cached: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class InverseHead:
+    """log q(v | h) over the whole vocabulary (see the module docstring for the formula)."""
+
+    def __init__(self, mean: torch.Tensor, scale: torch.Tensor, coef: torch.Tensor, directions: torch.Tensor,
+                 temperature: float):
+        self.mean, self.scale, self.coef = mean.float(), scale.float(), coef.float()
+        self.directions = directions.float()  # (V, d_E) unit embeddings
+        self.temperature = float(temperature)
+
+    def cosines(self, h: torch.Tensor) -> torch.Tensor:
+        """s_v(h) for each row of ``h`` ``(N, d)`` (or one state ``(d,)``): ``(N, V)`` or ``(V,)``."""
+        single = h.dim() == 1
+        z = (h.float().reshape(-1, self.mean.numel()).cpu() - self.mean) / self.scale
+        pred = torch.cat([z, torch.ones(z.shape[0], 1)], 1) @ self.coef
+        out = torch.nn.functional.normalize(pred, dim=1) @ self.directions.T
+        return out[0] if single else out
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """log q(v | h) = log_softmax(s(h) / tau)."""
+        return torch.log_softmax(self.cosines(h) / self.temperature, dim=-1)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "scale": self.scale, "coef": self.coef, "temperature": self.temperature}
+
+
+def true_ranks(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rank of ``ids[i]`` in row ``i`` of ``scores`` (0 = best; ties count against the truth)."""
+    return (scores > scores.gather(1, ids[:, None])).sum(1)
+
+
+def unit_embeddings(whitebox: WhiteBox) -> torch.Tensor:
+    """E_v / ||E_v|| for every token, ``(V, d)`` (the model's own embedding-module outputs)."""
+    return torch.nn.functional.normalize(whitebox.token_embeddings().float().cpu(), dim=1)
+
+
+def training_windows(tokenizer, vocab_size: int, config: HeadConfig) -> tuple[list[list[int]], list[list[int]]]:
+    """Text windows and random-token windows (full windows only, so they batch)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    text = corpus_windows(tokenizer, config.n_text, config.window) if config.n_text else []
+    noise = random_windows(vocab_size, config.n_random, config.window, config.seed, special) if config.n_random else []
+    full = [w for w in text if len(w) == config.window], [w for w in noise if len(w) == config.window]
+    if not full[0] and not full[1]:
+        raise ValueError("the inverse head's corpus holds no full window: raise n_text or n_random")
+    return full
+
+
+def heldout_mask(n_windows: int, window: int, fraction: float) -> torch.Tensor:
+    """Row mask of the last ``ceil(fraction * n_windows)`` windows (at least one, at most all but one)."""
+    n_held = min(max(1, round(n_windows * fraction)), n_windows - 1) if n_windows > 1 else 0
+    mask = torch.zeros(n_windows, dtype=torch.bool)
+    mask[n_windows - n_held :] = True
+    return mask.repeat_interleave(window)
+
+
+@torch.no_grad()
+def layer_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_pass: int,
+                 progress: bool = False) -> torch.Tensor:
+    """Layer-``layer`` states of every window (batched forward passes), ``(sum of lengths, d)``."""
+    groups = [windows[i : i + per_pass] for i in range(0, len(windows), per_pass)]
+    rows = [whitebox.states_batch(torch.tensor(g), layer).reshape(-1, whitebox.d).float().cpu()
+            for g in tqdm(groups, desc=f"inverse-head corpus l={layer}", disable=not progress, leave=False)]
+    return torch.cat(rows)
+
+
+def fit_coef(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standardisation and ridge fit: (mean, std, A) with A = argmin ||[z(x), 1] A - y||^2 + lam N ||A'||^2."""
+    mean, scale = x.mean(0), x.std(0).clamp_min(1e-6)
+    design = torch.cat([(x - mean) / scale, torch.ones(x.shape[0], 1)], 1).double()
+    penalty = lam * x.shape[0] * torch.eye(design.shape[1], dtype=torch.float64)
+    penalty[-1, -1] = 0.0  # the intercept is not shrunk
+    coef = torch.linalg.solve(design.T @ design + penalty, design.T @ y.double())
+    return mean, scale, coef.float()
+
+
+def choose_temperature(cosines: torch.Tensor, ids: torch.Tensor) -> float:
+    """The tau of TEMPERATURES with the least mean NLL of ``ids`` under log_softmax(cosines / tau)."""
+    def nll(tau: float) -> float:
+        return float(-torch.log_softmax(cosines / tau, 1).gather(1, ids[:, None]).mean())
+    return min(TEMPERATURES, key=nll)
+
+
+def _head_path(whitebox: WhiteBox, layer: int, config: HeadConfig, windows) -> Path:
+    digest = hashlib.blake2b(repr((asdict(config), windows)).encode(), digest_size=8).hexdigest()
+    return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-{digest}.pt"
+
+
+def _load_head(path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | None:
+    """The head stored at ``path``; None when missing, unreadable or not of this model's shape."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        head = InverseHead(data["mean"], data["scale"], data["coef"], unit_embeddings(whitebox), data["temperature"])
+        report = HeadReport(**json.loads(data["report"]))
+    except Exception:  # noqa: BLE001 - a damaged file fails with many types; it is rebuilt
+        return None
+    shapes_ok = head.mean.shape == (whitebox.d,) and head.coef.shape == (whitebox.d + 1, head.directions.shape[1])
+    if not shapes_ok or not all(torch.isfinite(t).all() for t in (head.mean, head.scale, head.coef)):
+        return None
+    return head, report
+
+
+def _save_head(path, head: InverseHead, report: HeadReport) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".partial-", suffix=".pt")
+        os.close(fd)
+        torch.save({**head.state_dict(), "report": json.dumps(report.to_dict())}, tmp)
+        os.replace(tmp, path)  # atomic: an interrupted save leaves no half file
+    except OSError:
+        pass  # a read-only cache only costs a rebuild next time
+
+
+def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...],
+                       config: HeadConfig = HeadConfig(), progress: bool = False) -> tuple[InverseHead, HeadReport]:
+    """Fit a head on the layer-``layer`` states of the corpus windows ``sources`` (one list per
+    source, e.g. :func:`training_windows`; each source holds out its last windows). No cache."""
+    started = time.perf_counter()
+    layer = whitebox.resolve_layer(layer)
+    directions = unit_embeddings(whitebox)
+    sources = [w for w in sources if w]
+    states = [layer_states(whitebox, w, layer, config.windows_per_pass, progress) for w in sources]
+    ids = [torch.tensor(w).flatten() for w in sources]
+    held = [heldout_mask(len(w), config.window, config.heldout_fraction) for w in sources]
+    x, y, held = torch.cat(states), torch.cat(ids), torch.cat(held)
+    mean, scale, coef = fit_coef(x[~held], directions[y[~held]], config.lam)
+    head = InverseHead(mean, scale, coef, directions, temperature=1.0)
+    cosines = torch.cat([head.cosines(part) for part in x[held].split(1024)]) if held.any() else head.cosines(x[:1])
+    y_held = y[held] if held.any() else y[:1]
+    head.temperature = choose_temperature(cosines, y_held)
+    ranks = true_ranks(cosines, y_held).float()
+    report = HeadReport(layer=layer, n_train=int((~held).sum()), n_heldout=int(held.sum()),
+                        top1=float((ranks < 1).float().mean()), top16=float((ranks < 16).float().mean()),
+                        median_rank=float(ranks.median()), temperature=head.temperature,
+                        seconds=time.perf_counter() - started, cached=False)
+    return head, report
+
+
+def inverse_head(whitebox: WhiteBox, tokenizer, layer: int, config: HeadConfig = HeadConfig(), *,
+                 use_disk: bool = True, progress: bool = False) -> tuple[InverseHead, HeadReport]:
+    """The inverse head of ``layer``: from memory, else from disk, else trained (and stored)."""
+    layer = whitebox.resolve_layer(layer)
+    key = ("inverse-head", layer, config)
+    if key in whitebox.memo:
+        return whitebox.memo[key]
+    started = time.perf_counter()
+    sources = training_windows(tokenizer, whitebox.vocab_size, config)
+    path = _head_path(whitebox, layer, config, sources)
+    loaded = _load_head(path, whitebox) if use_disk else None
+    if loaded is not None:
+        head, report = loaded
+        report.seconds, report.cached = time.perf_counter() - started, True
+    else:
+        head, report = train_inverse_head(whitebox, layer, sources, config, progress)
+        if use_disk:
+            _save_head(path, head, report)
+    whitebox.memo[key] = (head, report)
+    return head, report

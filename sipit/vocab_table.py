@@ -1,0 +1,121 @@
+"""The position-0 table: every token's layer-l state when it stands alone at position 0.
+
+    F_v = Phi^l(v)_0        for every token v of the vocabulary, (V, d)
+
+A state at position 0 depends on nothing but the token (causal attention sees only itself), so
+this one table answers position 0 of every prompt: the observed h~_0 is (up to floating-point
+noise) one of its rows, and the nearest rows are the candidates to verify first. It also gives
+the linear surrogate (attacks.surrogate) its design matrix.
+
+Cost: V single-position steps on the empty prefix, i.e. about a plain forward of V tokens up to
+layer l (smollm2-135m, 2 CPU cores: ~75 s at layer 30, ~2 s at layer 1). The table is computed
+once per (weights, layer), cached on disk under ``sipit.models.cache_dir() / "tables"`` and kept
+in memory by the WhiteBox that owns the model (``WhiteBox.memo``). The disk key is a hash of the
+model's weights (:func:`weights_fingerprint`), so a different model, a fine-tuned copy or a
+quantised variant never reuses another's table; a file that is truncated, corrupt or of the
+wrong shape is rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from sipit.models import cache_dir
+from sipit.whitebox import WhiteBox
+
+
+@dataclass
+class VocabTable:
+    """F (V, d) for one (model, layer), with where it came from and what it cost."""
+
+    states: torch.Tensor
+    layer: int
+    key: str
+    seconds: float  # time to build, or to load from disk
+    cached: bool  # True when loaded from disk
+
+
+def weights_fingerprint(whitebox: WhiteBox) -> str:
+    """A hash of every parameter and buffer (names, shapes, dtypes and bytes) of the model.
+
+    Hashing all bytes costs about a second for a 135M-parameter model and is memoised per WhiteBox.
+    """
+    memo = whitebox.memo
+    if "fingerprint" not in memo:
+        digest = hashlib.blake2b(digest_size=12)
+        for name, tensor in list(whitebox.model.named_parameters()) + list(whitebox.model.named_buffers()):
+            data = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        memo["fingerprint"] = digest.hexdigest()
+    return memo["fingerprint"]
+
+
+def table_path(whitebox: WhiteBox, layer: int) -> Path:
+    """Disk location of the position-0 table of this model's weights at ``layer``."""
+    return cache_dir() / "tables" / f"pos0-{weights_fingerprint(whitebox)}-l{layer}.pt"
+
+
+def _load(path: Path, expected: tuple[int, int]) -> torch.Tensor | None:
+    """The table stored at ``path``, or None when it is missing, unreadable or malformed."""
+    if not path.is_file():
+        return None
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a damaged file fails with many types; it is rebuilt
+        return None
+    if not isinstance(states, torch.Tensor) or tuple(states.shape) != expected or not torch.isfinite(states).all():
+        return None
+    return states
+
+
+def _save(states: torch.Tensor, path: Path) -> None:
+    """Write atomically (temp file + rename); a read-only cache only costs a rebuild next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
+        os.close(fd)
+        torch.save(states, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@torch.no_grad()
+def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: bool = False) -> torch.Tensor:
+    """F_v = Phi^l(v)_0 for every v: chunked candidate steps on the empty prefix, ``(V, d)``."""
+    empty = whitebox.prefix_cache([], layer)
+    chunks = torch.arange(whitebox.vocab_size, device=whitebox.device).split(chunk)
+    rows = [whitebox.step(empty, ids).states
+            for ids in tqdm(chunks, desc=f"position-0 table l={layer}", disable=not progress, leave=False)]
+    return torch.cat(rows)
+
+
+def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True, progress: bool = False,
+                        chunk: int = 1024) -> VocabTable:
+    """The position-0 table of ``layer``: from memory, else from disk, else built (and stored)."""
+    layer = whitebox.resolve_layer(layer)
+    key = ("pos0-table", layer)
+    if key in whitebox.memo:
+        return whitebox.memo[key]
+    started = time.perf_counter()
+    path = table_path(whitebox, layer)
+    dtype = whitebox.embedding.weight.dtype
+    states = _load(path, (whitebox.vocab_size, whitebox.d)) if use_disk else None
+    cached = states is not None
+    if states is None:
+        states = build_table(whitebox, layer, chunk, progress)
+        if use_disk:
+            _save(states.cpu(), path)
+    table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem,
+                       time.perf_counter() - started, cached)
+    whitebox.memo[key] = table
+    return table

@@ -1,0 +1,134 @@
+"""Learned proposals: the position-0 table, the inverse head, their caches, and exactness."""
+
+import pytest
+import torch
+
+from attacks.policies import GradientPolicy, LearnedPolicy
+from attacks.proposals import HeadConfig, inverse_head, true_ranks
+from attacks.sipit import SipIt
+from benchmarks.prompts import prompt_set
+from sipit.models import load_model
+from sipit.vocab_table import position_zero_table, table_path, weights_fingerprint
+from sipit.whitebox import WhiteBox
+
+SMALL = HeadConfig(n_text=4096, n_random=2048)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIPIT_CACHE_DIR", str(tmp_path))
+
+
+def fresh(name: str) -> tuple:
+    loaded = load_model(name)
+    return loaded, WhiteBox(loaded.model)
+
+
+def test_position_zero_table_equals_the_models_own_states(tiny, one_thread):
+    _, wb = tiny
+    for layer in (1, wb.n_layers):
+        table = position_zero_table(wb, layer, use_disk=False).states
+        assert table.shape == (wb.vocab_size, wb.d)
+        for v in (0, 7, 300, wb.vocab_size - 1):
+            torch.testing.assert_close(table[v], wb.states([v], layer)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_learned_proposals_never_change_the_recovered_ids(tiny, one_thread):
+    loaded, wb = tiny
+    prompts = prompt_set(loaded.tokenizer, 3, length=10, seed=3)
+    learned = SipIt(LearnedPolicy(SMALL))
+    gradient = SipIt(GradientPolicy())
+    for layer in (1, wb.n_layers):
+        for prompt in prompts:
+            observed = wb.states(prompt.ids, layer)
+            fast = learned.invert(observed, wb, layer, loaded.tokenizer)
+            slow = gradient.invert(observed, wb, layer, loaded.tokenizer)
+            assert fast.ids == slow.ids == prompt.ids
+            assert fast.all_verified
+            assert fast.candidates_tried <= slow.candidates_tried
+
+
+def test_a_useless_head_costs_candidates_not_correctness(tiny_llama, one_thread):
+    loaded, wb = tiny_llama
+    policy = LearnedPolicy(SMALL, trust=64)
+    policy.prepare(wb, 2, loaded.tokenizer)
+    good = SipIt(policy)
+    prompt = prompt_set(loaded.tokenizer, 1, length=10, seed=5)[0]
+    observed = wb.states(prompt.ids, 2)
+    baseline = good.invert(observed, wb, 2, loaded.tokenizer)
+    # Scramble the head in place (prepare() returns the memoised object): proposals become noise.
+    generator = torch.Generator().manual_seed(0)
+    policy.head.coef = torch.randn(policy.head.coef.shape, generator=generator)
+    scrambled = good.invert(observed, wb, 2, loaded.tokenizer)
+    assert scrambled.ids == baseline.ids == prompt.ids
+    assert scrambled.all_verified
+    assert scrambled.candidates_tried > baseline.candidates_tried
+
+
+def test_inverse_head_ranks_far_better_than_chance(tiny, one_thread):
+    loaded, wb = tiny
+    head, report = inverse_head(wb, loaded.tokenizer, wb.n_layers, SMALL)
+    assert report.n_heldout > 0 and not report.cached
+    # Held-out prompts the head never saw: chance would put the truth at median rank V/2.
+    prompt = prompt_set(loaded.tokenizer, 1, length=30, seed=11, natural_fraction=0.0)[0]
+    states = wb.states(prompt.ids, wb.n_layers)
+    ranks = true_ranks(head.cosines(states), torch.tensor(prompt.ids))
+    assert float(ranks.float().median()) < wb.vocab_size / 20
+    assert report.top16 > 0.5
+
+
+def test_caches_are_keyed_by_weights_and_layer(tmp_path):
+    loaded, wb = fresh("tiny-llama")
+    other_loaded, other = fresh("tiny-gpt2")
+    assert weights_fingerprint(wb) != weights_fingerprint(other)
+    assert table_path(wb, 1) != table_path(wb, 2)
+    first = position_zero_table(wb, 1)
+    assert not first.cached and table_path(wb, 1).is_file()
+    # Same weights in a new WhiteBox: the disk copy is reused and equal.
+    again = position_zero_table(WhiteBox(loaded.model), 1)
+    assert again.cached
+    torch.testing.assert_close(again.states, first.states)
+    # Changed weights: a new key, nothing reused.
+    with torch.no_grad():
+        loaded.model.get_input_embeddings().weight[5] += 1.0
+    changed = WhiteBox(loaded.model)
+    assert weights_fingerprint(changed) != weights_fingerprint(wb)
+    assert not position_zero_table(changed, 1).cached
+    head_a = inverse_head(changed, loaded.tokenizer, 1, SMALL)[1]
+    head_b = inverse_head(changed, loaded.tokenizer, 2, SMALL)[1]
+    assert not head_a.cached and not head_b.cached
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong-shape"])
+def test_a_damaged_cache_file_is_rebuilt(damage):
+    loaded, wb = fresh("tiny-gpt2")
+    built = position_zero_table(wb, 2)
+    path = table_path(wb, 2)
+    if damage == "garbage":
+        path.write_bytes(b"not a tensor at all")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        torch.save(torch.zeros(3, wb.d), path)
+    rebuilt = position_zero_table(WhiteBox(loaded.model), 2)
+    assert not rebuilt.cached
+    torch.testing.assert_close(rebuilt.states, built.states)
+    assert position_zero_table(WhiteBox(loaded.model), 2).cached  # the rebuilt file is good again
+
+
+def test_a_damaged_head_file_is_retrained(tmp_path):
+    loaded, wb = fresh("tiny-gpt2")
+    inverse_head(wb, loaded.tokenizer, 2, SMALL)
+    (head_file,) = (tmp_path / "heads").glob("*.pt")
+    head_file.write_bytes(head_file.read_bytes()[:500])
+    _, report = inverse_head(WhiteBox(loaded.model), loaded.tokenizer, 2, SMALL)
+    assert not report.cached
+    _, report = inverse_head(WhiteBox(loaded.model), loaded.tokenizer, 2, SMALL)
+    assert report.cached
+
+
+def test_learned_policy_needs_the_tokenizer(tiny_llama):
+    _, wb = tiny_llama
+    observed = wb.states([5, 6, 7], 1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        SipIt(LearnedPolicy(SMALL)).invert(observed, wb, 1)

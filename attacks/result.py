@@ -35,6 +35,7 @@ class Inversion:
     positions: list[PositionRecord] = field(default_factory=list)
     seconds: float = 0.0
     vocab_size: int = 0
+    setup: list[str] = field(default_factory=list)  # one-time work before decoding (not in seconds)
 
     @property
     def candidates_tried(self) -> int:

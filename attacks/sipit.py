@@ -72,7 +72,7 @@ class SipIt:
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed)
         radii = acceptance_radius(observed, self.rel_tol)
-        self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer): not timed below
+        setup = self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer): not timed below
         generator = torch.Generator().manual_seed(self.seed)
         prior = NextTokenPrior(whitebox.model) if self.use_prior else None
         prefix = whitebox.prefix_cache([], layer)
@@ -93,6 +93,7 @@ class SipIt:
             positions=records,
             seconds=time.perf_counter() - started,
             vocab_size=whitebox.vocab_size,
+            setup=setup,
         )
 
     def decode_position(

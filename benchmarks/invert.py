@@ -25,7 +25,7 @@ def invert_text(
     *,
     model: str = DEFAULT_MODEL,
     layer: int = -1,
-    policy: str = "gradient",
+    policy: str = "learned",
     max_tokens: int | None = None,
     seed: int = 0,
     progress: bool = False,
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("text", help="the prompt whose hidden states are inverted")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF dir, .gguf file or hub id")
     parser.add_argument("--layer", type=int, default=-1, help="layer to attack (negative: from the end)")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="gradient")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="learned",
+                        help="candidate order: learned (position-0 table + inverse head + prior, built once per "
+                             "model and layer and cached), gradient (no learned parts), random (BruteForce)")
     parser.add_argument("--max-tokens", type=arg(check_int, low=1), default=None,
                         help="keep only the prompt's first N tokens (N >= 1)")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,6 +92,8 @@ def invert_command(args: argparse.Namespace) -> int:
         args.text, model=args.model, layer=args.layer, policy=args.policy,
         max_tokens=args.max_tokens, seed=args.seed, progress=True,
     )
+    for line in inversion.setup:
+        print(f"one-time: {line}")
     print(f"recovered: {inversion.text!r}")
     print(format_inversion(inversion, truth, tokenizer))
     hint = layer_hint([inversion], args.layer)

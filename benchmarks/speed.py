@@ -1,9 +1,13 @@
-"""Speed of SipIt (gradient policy) against BruteForce (random order) on the same positions.
+"""Speed of SipIt (learned proposals by default) against BruteForce (random order) on the same positions.
 
     python -m benchmarks.speed [--model smollm2-135m] [--n-prompts 10] [--length 20]
                                [--layers first,middle,last] [--bruteforce-positions 3]
+                               [--policy learned|gradient|random]
 
-For each layer: SipIt inverts every prompt (90% natural / 10% random tokens). BruteForce costs
+For each layer: SipIt inverts every prompt (90% natural / 10% random tokens). With the learned
+policy the one-time cost of the position-0 table and the inverse head is reported on its own
+(built, or loaded from the disk cache), and so is the rank of the true token under each proposal
+source on the true prefixes (table at position 0; prior, head and head + prior at later ones). BruteForce costs
 ~V/2 candidate evaluations per position, so it runs on ``--bruteforce-positions`` positions per
 layer, each on the true prefix of a prompt (its expected cost per position does not depend on the
 prefix), and its per-prompt time and candidate counts are extrapolated as per-position mean x
@@ -23,11 +27,13 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from attacks.policies import GradientPolicy, RandomPolicy
+from attacks.policies import POLICIES, LearnedPolicy, RandomPolicy, make_policy
+from attacks.proposals import true_ranks
 from attacks.sipit import SipIt
 from benchmarks.cli import arg, check_int, default_out_dir, run_main, split_list, usage_error
 from benchmarks.prompts import prompt_set
 from sipit.models import DEFAULT_MODEL, load_model
+from sipit.prior import NextTokenPrior
 from sipit.tolerance import acceptance_radius
 from sipit.whitebox import SipitInputError, WhiteBox
 
@@ -78,6 +84,36 @@ def bruteforce_positions(attack: SipIt, whitebox: WhiteBox, prompts, layer: int,
     return records
 
 
+def prior_logprobs(whitebox: WhiteBox, ids: list[int]) -> torch.Tensor:
+    """log P(s_t | s_<t) rows for t = 1..T-1 along the true prefix, ``(T-1, V)``."""
+    prior = NextTokenPrior(whitebox.model)
+    return torch.stack([prior.push(token).cpu() for token in ids[:-1]])
+
+
+def summarise_ranks(ranks: list[int]) -> dict:
+    """Median/mean rank (0 = first) and recall@1/@16 of the true token."""
+    r = torch.tensor(ranks, dtype=torch.float64)
+    return {"n": len(ranks), "median": float(r.median()), "mean": float(r.mean()),
+            "top1": float((r < 1).double().mean()), "top16": float((r < 16).double().mean())}
+
+
+@torch.no_grad()
+def proposal_ranks(policy: LearnedPolicy, whitebox: WhiteBox, prompts, layer: int) -> dict:
+    """Rank of the true token under each proposal source, on the true prefixes of ``prompts``."""
+    ranks: dict[str, list[int]] = {"table (position 0)": [], "prior": [], "head": [], "head + prior": []}
+    for prompt in prompts:
+        states = whitebox.states(prompt.ids, layer).float().cpu()
+        ids = torch.tensor(prompt.ids)
+        table = -(policy.table.states.float().cpu() - states[0]).pow(2).sum(1)
+        ranks["table (position 0)"] += true_ranks(table[None], ids[:1]).tolist()
+        if len(prompt.ids) > 1:
+            prior = prior_logprobs(whitebox, prompt.ids)
+            head = policy.head.log_probs(states[1:])
+            for name, score in (("prior", prior), ("head", head), ("head + prior", head + prior)):
+                ranks[name] += true_ranks(score, ids[1:]).tolist()
+    return {name: summarise_ranks(r) for name, r in ranks.items() if r}
+
+
 def run_speed(
     model: str = DEFAULT_MODEL,
     n_prompts: int = 10,
@@ -86,6 +122,7 @@ def run_speed(
     bruteforce_positions_per_layer: int = 3,
     seed: int = 0,
     out: str | Path | None = None,
+    policy: str = "learned",
 ) -> dict:
     """Measure SipIt vs BruteForce; write ``speed.json`` and ``speed.md`` under ``out``
     (default :func:`benchmarks.cli.default_out_dir` ``("speed")``). Bad values raise
@@ -94,6 +131,8 @@ def run_speed(
     check_int(length, low=1, name="--length")
     check_int(bruteforce_positions_per_layer, low=1, name="--bruteforce-positions")
     check_layer_spec(layers)
+    if policy not in POLICIES:
+        raise usage_error("--policy", f"{policy!r} is not one of {', '.join(sorted(POLICIES))}")
     loaded = load_model(model)
     whitebox = WhiteBox(loaded.model)
     layer_list = named_layers(layers, whitebox)
@@ -102,9 +141,10 @@ def run_speed(
     vocab = whitebox.vocab_size
     report = {"model": model, "n_prompts": n_prompts, "length": length, "vocab_size": vocab,
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "layers": []}
+              "torch": torch.__version__, "policy": policy, "layers": []}
     for layer in layer_list:
-        sipit = SipIt(GradientPolicy(), seed=seed)
+        sipit = SipIt(make_policy(policy), seed=seed)
+        one_time = prepare_policy(sipit.policy, whitebox, layer, loaded.tokenizer)
         rows = []
         for prompt in tqdm(prompts, desc=f"sipit L{layer}", leave=False):
             inversion = sipit.invert(whitebox.states(prompt.ids, layer), whitebox, layer, loaded.tokenizer)
@@ -120,6 +160,9 @@ def run_speed(
         brute_seconds_per_prompt = statistics.mean(b["seconds"] for b in brute) * length
         entry = {
             "layer": layer,
+            "one_time": one_time,
+            "proposal_ranks": proposal_ranks(sipit.policy, whitebox, prompts, layer)
+            if isinstance(sipit.policy, LearnedPolicy) else {},
             "sipit": {
                 "exact_match_rate": statistics.mean(r["exact"] for r in rows),
                 "token_accuracy": statistics.mean(r["token_accuracy"] for r in rows),
@@ -143,11 +186,39 @@ def run_speed(
         }
         report["layers"].append(entry)
         print(format_row(entry), flush=True)
+        for line in detail_lines(entry):
+            print(line, flush=True)
     out = Path(out) if out is not None else default_out_dir("speed")
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(report, indent=2))
     (out / "speed.md").write_text(to_markdown(report))
     return report
+
+
+def prepare_policy(policy, whitebox: WhiteBox, layer: int, tokenizer) -> dict:
+    """Build (or load) what the policy needs for ``layer`` before timing; report what it cost."""
+    started = time.perf_counter()
+    policy.prepare(whitebox, layer, tokenizer)
+    if not isinstance(policy, LearnedPolicy):
+        return {}
+    return {"seconds": time.perf_counter() - started,
+            "table": {"seconds": policy.table.seconds, "cached": policy.table.cached},
+            "head": policy.head_report.to_dict()}
+
+
+def detail_lines(entry: dict) -> list[str]:
+    """The one-time cost and the proposal ranks of one layer, as plain lines."""
+    lines = []
+    if entry["one_time"]:
+        table, head = entry["one_time"]["table"], entry["one_time"]["head"]
+        lines.append(f"  layer {entry['layer']} one-time: position-0 table {table['seconds']:.1f} s "
+                     f"({'loaded' if table['cached'] else 'built'}), inverse head {head['seconds']:.1f} s "
+                     f"({'loaded' if head['cached'] else 'trained on ' + str(head['n_train']) + ' tokens'}; "
+                     f"held-out recall@1 {head['top1']:.3f}, @16 {head['top16']:.3f})")
+    for name, r in entry["proposal_ranks"].items():
+        lines.append(f"  layer {entry['layer']} rank of the true token under {name}: median {r['median']:.0f}, "
+                     f"mean {r['mean']:.1f}, recall@1 {r['top1']:.3f}, @16 {r['top16']:.3f} (n={r['n']})")
+    return lines
 
 
 HEADER = ("| layer | exact | token acc | median s/prompt | mean s/prompt | cand./pos | % vocab | "
@@ -170,6 +241,8 @@ def to_markdown(report: dict) -> str:
              "BruteForce ran on the listed positions only; its per-prompt time is the per-position "
              "mean x prompt length.", "", HEADER, "|" + "---|" * 11]
     lines += [format_row(e) for e in report["layers"]]
+    lines += ["", f"Policy: {report['policy']}. One-time costs and proposal ranks (rank 0 = first):", ""]
+    lines += [f"- {line.strip()}" for e in report["layers"] for line in detail_lines(e)]
     return "\n".join(lines) + "\n"
 
 
@@ -183,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of first, middle, last or layer numbers (negative: from the end)")
     parser.add_argument("--bruteforce-positions", type=arg(check_int, low=1), default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="learned",
+                        help="SipIt's candidate order (gradient: no learned parts, as before)")
     parser.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('speed')})")
     return parser
 
@@ -191,7 +266,8 @@ def speed_command(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     started = time.perf_counter()
     out = Path(args.out) if args.out is not None else default_out_dir("speed")
-    run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, out)
+    run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, out,
+              args.policy)
     print(f"total {time.perf_counter() - started:.0f} s; written to {out}/speed.json and speed.md")
     return 0
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from attacks.proposals import HeadConfig, HeadReport, InverseHead, inverse_head
+from attacks.proposals import SLOTS, HeadConfig, HeadReport, InverseHead, inverse_head
 from sipit.vocab_table import VocabTable, position_zero_table
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -148,34 +148,39 @@ class LearnedPolicy:
         self.head_config = head_config or HeadConfig()
         self.trust, self.progress = trust, progress
         self.table: VocabTable | None = None
-        self.head: InverseHead | None = None
-        self.head_report: HeadReport | None = None
+        self.heads: dict[int, tuple[InverseHead, HeadReport]] = {}  # slot -> head (attacks.proposals.SLOTS)
         self._order: torch.Tensor | None = None
         self._fallback = GradientPolicy(use_prior=False)
 
     def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> list[str]:
-        """Load or build the position-0 table and the inverse head of (model, ``layer``)."""
+        """Load or build the position-0 table and the inverse heads of (model, ``layer``)."""
         if tokenizer is None:
-            raise ValueError("the learned policy trains its head on text: pass the tokenizer to invert()")
+            raise ValueError("the learned policy trains its heads on text: pass the tokenizer to invert()")
         self.table = position_zero_table(whitebox, layer, progress=self.progress)
-        self.head, self.head_report = inverse_head(whitebox, tokenizer, layer, self.head_config,
-                                                   progress=self.progress)
-        head = self.head_report
-        how = "loaded from the cache" if head.cached else f"trained on {head.n_train} corpus tokens"
-        return [
-            f"position-0 table (layer {layer}): {'loaded from the cache' if self.table.cached else 'built'} "
-            f"in {self.table.seconds:.1f} s",
-            f"inverse head (layer {layer}): {how} in {head.seconds:.1f} s; held-out recall@1 {head.top1:.3f}, "
-            f"recall@16 {head.top16:.3f}",
-        ]
+        self.heads = {slot: inverse_head(whitebox, tokenizer, layer, self.head_config, slot=slot,
+                                         progress=self.progress) for slot in SLOTS}
+        lines = [f"position-0 table (layer {layer}): {'loaded from the cache' if self.table.cached else 'built'} "
+                 f"in {self.table.seconds:.1f} s"]
+        for slot, (_, report) in self.heads.items():
+            how = "loaded from the cache" if report.cached else f"trained on {report.n_train} corpus tokens"
+            lines.append(f"inverse head (layer {layer}, {'position 1' if slot == 1 else 'positions >= 2'}): "
+                         f"{how} in {report.seconds:.1f} s; held-out recall@1 {report.top1:.3f}, "
+                         f"recall@16 {report.top16:.3f}")
+        return lines
+
+    def head_log_probs(self, position: int, target: torch.Tensor) -> torch.Tensor:
+        """log q(v | h~) from the head of ``position`` (>= 1)."""
+        if not self.heads:
+            raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
+        return self.heads[min(position, max(SLOTS))][0].log_probs(target)
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         """Higher is likelier, ``(V,)``: -||F_v - h~||^2 at position 0, else log q(v|h~) + log P(v|p_t)."""
-        if self.table is None or self.head is None:
+        if self.table is None:
             raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
         if ctx.prefix.length == 0:
             return -(self.table.states - ctx.target).pow(2).sum(1)
-        score = self.head.log_probs(ctx.target)
+        score = self.head_log_probs(ctx.prefix.length, ctx.target)
         return score + ctx.prior_logprobs.cpu() if ctx.prior_logprobs is not None else score
 
     def start(self, ctx: StepContext) -> None:

@@ -43,14 +43,16 @@ from sipit.vocab_table import weights_fingerprint
 from sipit.whitebox import WhiteBox
 
 TEMPERATURES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+SLOTS = (1, 2)  # one head for position 1, one for positions >= 2
 
 
 @dataclass(frozen=True)
 class HeadConfig:
     """How an inverse head is trained."""
 
-    n_text: int = 100_000  # tokens of pydoc text
-    n_random: int = 16_384  # tokens of seeded random-token windows
+    n_text: int = 150_000  # tokens of pydoc text
+    n_random: int = 32_768  # tokens of seeded random-token windows
+    n_pairs: int = 16_384  # two-token windows for the position-1 head (text bigrams + random pairs)
     window: int = 64
     lam: float = 1e-3  # ridge strength, relative to the number of training rows
     heldout_fraction: float = 0.05  # last windows of each source, for tau and the recall report
@@ -63,6 +65,7 @@ class HeadReport:
     """What a head cost and how well it ranks held-out corpus states."""
 
     layer: int
+    slot: int  # 1: the head of position 1; 2: of positions >= 2
     n_train: int
     n_heldout: int
     top1: float  # held-out recall@1
@@ -111,19 +114,33 @@ def unit_embeddings(whitebox: WhiteBox) -> torch.Tensor:
     return torch.nn.functional.normalize(whitebox.token_embeddings().float().cpu(), dim=1)
 
 
-def training_windows(tokenizer, vocab_size: int, config: HeadConfig) -> tuple[list[list[int]], list[list[int]]]:
-    """Text windows and random-token windows (full windows only, so they batch)."""
+def training_windows(tokenizer, vocab_size: int, config: HeadConfig, slot: int) -> tuple[list[list[int]], ...]:
+    """The corpus of one head, as one list of equal-length windows per source (text, random tokens).
+
+    ``slot`` 2 (positions >= 2): windows of ``config.window`` tokens. ``slot`` 1 (position 1, whose
+    state mixes in position 0's very unlike one): two-token windows, half text bigrams at seeded
+    offsets of the text, half random pairs.
+    """
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    text = corpus_windows(tokenizer, config.n_text, config.window) if config.n_text else []
-    noise = random_windows(vocab_size, config.n_random, config.window, config.seed, special) if config.n_random else []
-    full = [w for w in text if len(w) == config.window], [w for w in noise if len(w) == config.window]
-    if not full[0] and not full[1]:
-        raise ValueError("the inverse head's corpus holds no full window: raise n_text or n_random")
+    text = [t for w in corpus_windows(tokenizer, config.n_text, config.window) for t in w] if config.n_text else []
+    if slot == 1:
+        n_text = min(config.n_pairs // 2, max(len(text) - 1, 0))
+        offsets = torch.randperm(max(len(text) - 1, 0), generator=torch.Generator().manual_seed(config.seed))[:n_text]
+        sources = ([text[i : i + 2] for i in offsets.tolist()],
+                   random_windows(vocab_size, 2 * (config.n_pairs - n_text), 2, config.seed, special))
+    else:
+        sources = ([text[i : i + config.window] for i in range(0, len(text), config.window)],
+                   random_windows(vocab_size, config.n_random, config.window, config.seed, special)
+                   if config.n_random else [])
+    length = 2 if slot == 1 else config.window
+    full = tuple([w for w in source if len(w) == length] for source in sources)
+    if not any(full):
+        raise ValueError("the inverse head's corpus holds no full window: raise n_text, n_random or n_pairs")
     return full
 
 
 def heldout_mask(n_windows: int, window: int, fraction: float) -> torch.Tensor:
-    """Row mask of the last ``ceil(fraction * n_windows)`` windows (at least one, at most all but one)."""
+    """Row mask of the last ``round(fraction * n_windows)`` windows (at least one, at most all but one)."""
     n_held = min(max(1, round(n_windows * fraction)), n_windows - 1) if n_windows > 1 else 0
     mask = torch.zeros(n_windows, dtype=torch.bool)
     mask[n_windows - n_held :] = True
@@ -157,9 +174,9 @@ def choose_temperature(cosines: torch.Tensor, ids: torch.Tensor) -> float:
     return min(TEMPERATURES, key=nll)
 
 
-def _head_path(whitebox: WhiteBox, layer: int, config: HeadConfig, windows) -> Path:
+def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, windows) -> Path:
     digest = hashlib.blake2b(repr((asdict(config), windows)).encode(), digest_size=8).hexdigest()
-    return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-{digest}.pt"
+    return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-p{slot}-{digest}.pt"
 
 
 def _load_head(path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | None:
@@ -189,47 +206,55 @@ def _save_head(path, head: InverseHead, report: HeadReport) -> None:
         pass  # a read-only cache only costs a rebuild next time
 
 
-def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...],
+def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...], slot: int,
                        config: HeadConfig = HeadConfig(), progress: bool = False) -> tuple[InverseHead, HeadReport]:
-    """Fit a head on the layer-``layer`` states of the corpus windows ``sources`` (one list per
-    source, e.g. :func:`training_windows`; each source holds out its last windows). No cache."""
+    """Fit a head on the layer-``layer`` states of ``sources`` (one list of equal-length windows per
+    source, e.g. :func:`training_windows`) at the positions >= ``slot`` of each window; every source
+    holds out its last windows for the temperature and the recall report. No cache."""
     started = time.perf_counter()
     layer = whitebox.resolve_layer(layer)
     directions = unit_embeddings(whitebox)
-    sources = [w for w in sources if w]
-    states = [layer_states(whitebox, w, layer, config.windows_per_pass, progress) for w in sources]
-    ids = [torch.tensor(w).flatten() for w in sources]
-    held = [heldout_mask(len(w), config.window, config.heldout_fraction) for w in sources]
-    x, y, held = torch.cat(states), torch.cat(ids), torch.cat(held)
+    xs, ys, helds = [], [], []
+    for windows in (w for w in sources if w):
+        length = len(windows[0])
+        per_pass = max(config.windows_per_pass, 1024 // length)
+        keep = (torch.arange(length) >= slot).repeat(len(windows))
+        xs.append(layer_states(whitebox, windows, layer, per_pass, progress)[keep])
+        ys.append(torch.tensor(windows).flatten()[keep])
+        helds.append(heldout_mask(len(windows), length, config.heldout_fraction)[keep])
+    x, y, held = torch.cat(xs), torch.cat(ys), torch.cat(helds)
     mean, scale, coef = fit_coef(x[~held], directions[y[~held]], config.lam)
     head = InverseHead(mean, scale, coef, directions, temperature=1.0)
     cosines = torch.cat([head.cosines(part) for part in x[held].split(1024)]) if held.any() else head.cosines(x[:1])
     y_held = y[held] if held.any() else y[:1]
     head.temperature = choose_temperature(cosines, y_held)
     ranks = true_ranks(cosines, y_held).float()
-    report = HeadReport(layer=layer, n_train=int((~held).sum()), n_heldout=int(held.sum()),
+    report = HeadReport(layer=layer, slot=slot, n_train=int((~held).sum()), n_heldout=int(held.sum()),
                         top1=float((ranks < 1).float().mean()), top16=float((ranks < 16).float().mean()),
                         median_rank=float(ranks.median()), temperature=head.temperature,
                         seconds=time.perf_counter() - started, cached=False)
     return head, report
 
 
-def inverse_head(whitebox: WhiteBox, tokenizer, layer: int, config: HeadConfig = HeadConfig(), *,
+def inverse_head(whitebox: WhiteBox, tokenizer, layer: int, config: HeadConfig = HeadConfig(), *, slot: int = 2,
                  use_disk: bool = True, progress: bool = False) -> tuple[InverseHead, HeadReport]:
-    """The inverse head of ``layer``: from memory, else from disk, else trained (and stored)."""
+    """The inverse head of ``layer`` for position 1 (``slot=1``) or positions >= 2 (``slot=2``):
+    from memory, else from disk, else trained (and stored)."""
+    if slot not in SLOTS:
+        raise ValueError(f"slot must be one of {SLOTS}, got {slot}")
     layer = whitebox.resolve_layer(layer)
-    key = ("inverse-head", layer, config)
+    key = ("inverse-head", layer, slot, config)
     if key in whitebox.memo:
         return whitebox.memo[key]
     started = time.perf_counter()
-    sources = training_windows(tokenizer, whitebox.vocab_size, config)
-    path = _head_path(whitebox, layer, config, sources)
+    sources = training_windows(tokenizer, whitebox.vocab_size, config, slot)
+    path = _head_path(whitebox, layer, slot, config, sources)
     loaded = _load_head(path, whitebox) if use_disk else None
     if loaded is not None:
         head, report = loaded
         report.seconds, report.cached = time.perf_counter() - started, True
     else:
-        head, report = train_inverse_head(whitebox, layer, sources, config, progress)
+        head, report = train_inverse_head(whitebox, layer, sources, slot, config, progress)
         if use_disk:
             _save_head(path, head, report)
     whitebox.memo[key] = (head, report)

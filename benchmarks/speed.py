@@ -108,7 +108,7 @@ def proposal_ranks(policy: LearnedPolicy, whitebox: WhiteBox, prompts, layer: in
         ranks["table (position 0)"] += true_ranks(table[None], ids[:1]).tolist()
         if len(prompt.ids) > 1:
             prior = prior_logprobs(whitebox, prompt.ids)
-            head = policy.head.log_probs(states[1:])
+            head = torch.stack([policy.head_log_probs(t, states[t]) for t in range(1, len(prompt.ids))])
             for name, score in (("prior", prior), ("head", head), ("head + prior", head + prior)):
                 ranks[name] += true_ranks(score, ids[1:]).tolist()
     return {name: summarise_ranks(r) for name, r in ranks.items() if r}
@@ -203,18 +203,21 @@ def prepare_policy(policy, whitebox: WhiteBox, layer: int, tokenizer) -> dict:
         return {}
     return {"seconds": time.perf_counter() - started,
             "table": {"seconds": policy.table.seconds, "cached": policy.table.cached},
-            "head": policy.head_report.to_dict()}
+            "heads": [report.to_dict() for _, report in policy.heads.values()]}
 
 
 def detail_lines(entry: dict) -> list[str]:
     """The one-time cost and the proposal ranks of one layer, as plain lines."""
     lines = []
     if entry["one_time"]:
-        table, head = entry["one_time"]["table"], entry["one_time"]["head"]
+        table = entry["one_time"]["table"]
         lines.append(f"  layer {entry['layer']} one-time: position-0 table {table['seconds']:.1f} s "
-                     f"({'loaded' if table['cached'] else 'built'}), inverse head {head['seconds']:.1f} s "
-                     f"({'loaded' if head['cached'] else 'trained on ' + str(head['n_train']) + ' tokens'}; "
-                     f"held-out recall@1 {head['top1']:.3f}, @16 {head['top16']:.3f})")
+                     f"({'loaded' if table['cached'] else 'built'})")
+        for head in entry["one_time"]["heads"]:
+            lines.append(f"  layer {entry['layer']} one-time: inverse head of position"
+                         f"{' 1' if head['slot'] == 1 else 's >= 2'} {head['seconds']:.1f} s "
+                         f"({'loaded' if head['cached'] else 'trained on ' + str(head['n_train']) + ' tokens'}; "
+                         f"held-out recall@1 {head['top1']:.3f}, @16 {head['top16']:.3f})")
     for name, r in entry["proposal_ranks"].items():
         lines.append(f"  layer {entry['layer']} rank of the true token under {name}: median {r['median']:.0f}, "
                      f"mean {r['mean']:.1f}, recall@1 {r['top1']:.3f}, @16 {r['top16']:.3f} (n={r['n']})")

@@ -11,7 +11,7 @@ from sipit.models import load_model
 from sipit.vocab_table import position_zero_table, table_path, weights_fingerprint
 from sipit.whitebox import WhiteBox
 
-SMALL = HeadConfig(n_text=4096, n_random=2048)
+SMALL = HeadConfig(n_text=4096, n_random=2048, n_pairs=1024)
 
 
 @pytest.fixture(autouse=True)
@@ -56,23 +56,27 @@ def test_a_useless_head_costs_candidates_not_correctness(tiny_llama, one_thread)
     prompt = prompt_set(loaded.tokenizer, 1, length=10, seed=5)[0]
     observed = wb.states(prompt.ids, 2)
     baseline = good.invert(observed, wb, 2, loaded.tokenizer)
-    # Scramble the head in place (prepare() returns the memoised object): proposals become noise.
+    # Scramble the heads in place (prepare() returns the memoised objects): proposals become noise.
     generator = torch.Generator().manual_seed(0)
-    policy.head.coef = torch.randn(policy.head.coef.shape, generator=generator)
+    for head, _ in policy.heads.values():
+        head.coef = torch.randn(head.coef.shape, generator=generator)
     scrambled = good.invert(observed, wb, 2, loaded.tokenizer)
     assert scrambled.ids == baseline.ids == prompt.ids
     assert scrambled.all_verified
     assert scrambled.candidates_tried > baseline.candidates_tried
 
 
-def test_inverse_head_ranks_far_better_than_chance(tiny, one_thread):
+@pytest.mark.parametrize("slot", [1, 2])
+def test_inverse_head_ranks_far_better_than_chance(tiny, one_thread, slot):
     loaded, wb = tiny
-    head, report = inverse_head(wb, loaded.tokenizer, wb.n_layers, SMALL)
-    assert report.n_heldout > 0 and not report.cached
-    # Held-out prompts the head never saw: chance would put the truth at median rank V/2.
-    prompt = prompt_set(loaded.tokenizer, 1, length=30, seed=11, natural_fraction=0.0)[0]
-    states = wb.states(prompt.ids, wb.n_layers)
-    ranks = true_ranks(head.cosines(states), torch.tensor(prompt.ids))
+    head, report = inverse_head(wb, loaded.tokenizer, wb.n_layers, SMALL, slot=slot)
+    assert report.n_heldout > 0 and not report.cached and report.slot == slot
+    # Random-token prompts the head never saw: chance would put the truth at median rank V/2.
+    prompts = prompt_set(loaded.tokenizer, 8, length=30, seed=11, natural_fraction=0.0)
+    states = torch.stack([wb.states(p.ids, wb.n_layers)[slot] for p in prompts]) if slot == 1 else \
+        wb.states(prompts[0].ids, wb.n_layers)[2:]
+    truth = torch.tensor([p.ids[1] for p in prompts] if slot == 1 else prompts[0].ids[2:])
+    ranks = true_ranks(head.cosines(states), truth)
     assert float(ranks.float().median()) < wb.vocab_size / 20
     assert report.top16 > 0.5
 
@@ -97,6 +101,8 @@ def test_caches_are_keyed_by_weights_and_layer(tmp_path):
     head_a = inverse_head(changed, loaded.tokenizer, 1, SMALL)[1]
     head_b = inverse_head(changed, loaded.tokenizer, 2, SMALL)[1]
     assert not head_a.cached and not head_b.cached
+    assert inverse_head(WhiteBox(loaded.model), loaded.tokenizer, 1, SMALL)[1].cached
+    assert not inverse_head(WhiteBox(loaded.model), loaded.tokenizer, 1, SMALL, slot=1)[1].cached
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong-shape"])

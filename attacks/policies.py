@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from attacks.proposals import SLOTS, HeadConfig, HeadReport, InverseHead, inverse_head
+from sipit.prior import NextTokenPrior
 from sipit.vocab_table import VocabTable, position_zero_table
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -39,9 +40,14 @@ class StepContext:
     whitebox: WhiteBox
     prefix: PrefixCache
     target: torch.Tensor  # h~_t, (d,)
-    prior_logprobs: torch.Tensor | None  # log P(. | p_t), (V,), or None
+    prior: torch.Tensor | NextTokenPrior | None  # log P(. | p_t) (V,), or the prior that computes it
     generator: torch.Generator
     anchor: int | None = None  # nearest verified candidate so far
+
+    @property
+    def prior_logprobs(self) -> torch.Tensor | None:
+        """log P(. | p_t), ``(V,)``; from a NextTokenPrior it is computed on first use (lazily)."""
+        return self.prior.logprobs if isinstance(self.prior, NextTokenPrior) else self.prior
 
 
 class CandidatePolicy(Protocol):
@@ -142,11 +148,15 @@ class LearnedPolicy:
     name = "learned"
     first_batch = 1
 
-    def __init__(self, head_config: HeadConfig | None = None, trust: int = 256, progress: bool = False) -> None:
+    def __init__(self, head_config: HeadConfig | None = None, trust: int = 256, confident: float = 0.9,
+                 progress: bool = False) -> None:
         if trust < 1:
             raise ValueError(f"trust must be >= 1, got {trust}")
+        if not 0.0 < confident <= 1.0:
+            raise ValueError(f"confident must lie in (0, 1], got {confident}")
         self.head_config = head_config or HeadConfig()
-        self.trust, self.progress = trust, progress
+        self.trust, self.confident, self.progress = trust, confident, progress
+        self._head: torch.Tensor | None = None  # head log-probs while the prior is not yet mixed in
         self.table: VocabTable | None = None
         self.heads: dict[int, tuple[InverseHead, HeadReport]] = {}  # slot -> head (attacks.proposals.SLOTS)
         self._order: torch.Tensor | None = None
@@ -174,21 +184,37 @@ class LearnedPolicy:
             raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
         return self.heads[min(position, max(SLOTS))][0].log_probs(target)
 
-    def scores(self, ctx: StepContext) -> torch.Tensor:
-        """Higher is likelier, ``(V,)``: -||F_v - h~||^2 at position 0, else log q(v|h~) + log P(v|p_t)."""
+    def start(self, ctx: StepContext) -> None:
+        """Order the vocabulary: by -||F_v - h~||^2 at position 0; later by log q(v|h~), alone for
+        the first candidate when the head's top token has q >= ``confident`` (the prior is then
+        not computed unless that candidate fails), else by log q(v|h~) + log P(v|p_t)."""
         if self.table is None:
             raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
-        if ctx.prefix.length == 0:
-            return -(self.table.states - ctx.target).pow(2).sum(1)
-        score = self.head_log_probs(ctx.prefix.length, ctx.target)
-        return score + ctx.prior_logprobs.cpu() if ctx.prior_logprobs is not None else score
-
-    def start(self, ctx: StepContext) -> None:
-        self._order = torch.argsort(self.scores(ctx), descending=True).to(ctx.whitebox.device)
         self._fallback.start(ctx)
+        self._head = None
+        if ctx.prefix.length == 0:
+            self._set_order(-(self.table.states - ctx.target).pow(2).sum(1), ctx)
+            return
+        self._head = self.head_log_probs(ctx.prefix.length, ctx.target)
+        if float(self._head.max().exp()) >= self.confident:
+            self._set_order(self._head, ctx)
+        else:
+            self._add_prior(ctx)
+
+    def _set_order(self, scores: torch.Tensor, ctx: StepContext) -> None:
+        self._order = torch.argsort(scores, descending=True).to(ctx.whitebox.device)
+
+    def _add_prior(self, ctx: StepContext) -> None:
+        """Re-order by head + prior (the prior's log-probs are computed here, once)."""
+        prior = ctx.prior_logprobs
+        self._set_order(self._head + prior.cpu() if prior is not None else self._head, ctx)
+        self._head = None
 
     def propose(self, ctx: StepContext, tried: torch.Tensor, n: int) -> torch.Tensor:
-        if int(tried.sum()) < self.trust:
+        n_tried = int(tried.sum())
+        if self._head is not None and n_tried:
+            self._add_prior(ctx)  # the confident head's first guess failed
+        if n_tried < self.trust:
             return _take_untried(self._order, tried, n)
         from_learned = _take_untried(self._order, tried, (n + 1) // 2)
         seen = tried.clone()

@@ -81,7 +81,7 @@ class SipIt:
         for t in tqdm(range(observed.shape[0]), desc=self.name, disable=not self.progress, leave=False):
             record, prefix = self.decode_position(
                 whitebox, prefix, observed[t], float(radii[t]),
-                prior.logprobs if prior is not None else None, generator,
+                prior, generator,
             )
             records.append(record)
             if prior is not None and t + 1 < observed.shape[0]:
@@ -102,7 +102,7 @@ class SipIt:
         prefix: PrefixCache,
         target: torch.Tensor,
         radius: float,
-        prior_logprobs: torch.Tensor | None,
+        prior: NextTokenPrior | torch.Tensor | None,
         generator: torch.Generator,
     ) -> tuple[PositionRecord, PrefixCache]:
         """Find the token at position ``prefix.length``: verify candidates in growing batches
@@ -111,7 +111,7 @@ class SipIt:
         Returns the position's record and the prefix cache extended by the chosen token.
         """
         started = time.perf_counter()
-        ctx = StepContext(whitebox, prefix, target, prior_logprobs, generator)
+        ctx = StepContext(whitebox, prefix, target, prior, generator)
         self.policy.start(ctx)
         tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
         best_distance, best_token, best_prefix = float("inf"), -1, prefix

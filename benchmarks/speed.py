@@ -87,7 +87,11 @@ def bruteforce_positions(attack: SipIt, whitebox: WhiteBox, prompts, layer: int,
 def prior_logprobs(whitebox: WhiteBox, ids: list[int]) -> torch.Tensor:
     """log P(s_t | s_<t) rows for t = 1..T-1 along the true prefix, ``(T-1, V)``."""
     prior = NextTokenPrior(whitebox.model)
-    return torch.stack([prior.push(token).cpu() for token in ids[:-1]])
+    rows = []
+    for token in ids[:-1]:
+        prior.push(token)
+        rows.append(prior.logprobs.cpu())
+    return torch.stack(rows)
 
 
 def summarise_ranks(ranks: list[int]) -> dict:

@@ -1,8 +1,11 @@
 """The model's own next-token distribution log P(v | p_t), streamed along a growing prefix.
 
 Used by candidate policies (to order candidates) and by MAP decoding (as the prior). It runs the
-full model, head included, on the prefix the attacker has decoded so far, one incremental
-position per accepted token (a full-depth KV cache, separate from the layer-l cache).
+full model, head included, on the prefix the attacker has decoded so far (a full-depth KV cache,
+separate from the layer-l cache). Lazily: :meth:`NextTokenPrior.push` only records the token,
+and reading :attr:`NextTokenPrior.logprobs` runs every pending token in one incremental pass. An
+attack that needs the prior at few positions (a confident learned proposal) pays for few passes;
+on 2 CPU cores a pass over k pending tokens costs about as much as a pass over one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class NextTokenPrior:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.length = 0
+        self._pending: list[int] = []
         self._logprobs: torch.Tensor | None = None
         if start_token is None:
             start_token = getattr(model.config, "bos_token_id", None)
@@ -29,25 +33,34 @@ class NextTokenPrior:
     @property
     def logprobs(self) -> torch.Tensor | None:
         """``(V,)`` log-probabilities of the next token (``None``: empty prefix and no BOS)."""
+        self._flush()
         return self._logprobs
 
+    def push(self, token: int) -> None:
+        """Append ``token`` to the prefix (computed when :attr:`logprobs` is next read)."""
+        self._pending.append(int(token))
+
     @torch.no_grad()
-    def push(self, token: int) -> torch.Tensor:
-        """Append ``token`` to the prefix; return log P(. | new prefix)."""
+    def _flush(self) -> None:
+        """Run the pending tokens in one incremental pass; keep the last position's log-probs."""
+        if not self._pending:
+            return
         device = self.model.get_input_embeddings().weight.device
+        n = len(self._pending)
         out = self.model(
-            input_ids=torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[self.length]], device=device),
+            input_ids=torch.tensor([self._pending], device=device),
+            position_ids=torch.arange(self.length, self.length + n, device=device)[None],
             cache=self.cache,
             use_cache=True,
+            logits_to_keep=1,
         )
-        self.length += 1
-        logits = out.logits[0, -1].float()
-        self._logprobs = torch.log_softmax(logits, dim=-1)
-        return self._logprobs
+        self.length += n
+        self._pending = []
+        self._logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
     def fork(self) -> "NextTokenPrior":
         """An independent copy (for beam search: each hypothesis extends its own prefix)."""
+        self._flush()
         other = NextTokenPrior.__new__(NextTokenPrior)
         other.model = self.model
         other.cache = DynamicCache(config=self.model.config)
@@ -56,5 +69,6 @@ class NextTokenPrior:
                 dst.lazy_initialization(src.keys, src.values)
                 dst.keys, dst.values = src.keys, src.values  # update() concatenates: no aliasing
         other.length = self.length
+        other._pending = []
         other._logprobs = self._logprobs
         return other

@@ -13,38 +13,46 @@ import argparse
 
 import torch
 
+from benchmarks.cli import arg, check_int, run_main
 from benchmarks.prompts import prompt_set
-from benchmarks.speed import named_layers
+from benchmarks.speed import check_layer_spec, named_layers
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.tolerance import DEFAULT_REL_TOL, measure_gap, tolerance_from_gaps
 from sipit.whitebox import WhiteBox
 
 
-def measure_gaps(model: str = DEFAULT_MODEL, layers: str = "first,middle,last", n_prompts: int = 3,
+def measure_gaps(model: str = DEFAULT_MODEL, layers: str | list = "first,middle,last", n_prompts: int = 3,
                  length: int = 20, seed: int = 0) -> dict[int, dict[str, float]]:
     """Per layer: max and median relative gap over all positions, and the derived rel_tol."""
     loaded = load_model(model)
     whitebox = WhiteBox(loaded.model)
     prompts = prompt_set(loaded.tokenizer, n_prompts, length=length, seed=seed, natural_fraction=0.67)
     table = {}
-    for layer in named_layers(layers, whitebox.n_layers):
+    for layer in named_layers(layers, whitebox):
         gaps = torch.cat([measure_gap(whitebox, p.ids, layer) for p in prompts])
         table[layer] = {"max_gap": float(gaps.max()), "median_gap": float(gaps.median()),
                         "derived_rel_tol": tolerance_from_gaps(gaps)}
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--layers", default="first,middle,last")
-    parser.add_argument("--n-prompts", type=int, default=3)
-    args = parser.parse_args(argv)
+    parser.add_argument("--layers", type=arg(check_layer_spec, name=""), default="first,middle,last")
+    parser.add_argument("--n-prompts", type=arg(check_int, low=1), default=3)
+    return parser
+
+
+def gap_command(args: argparse.Namespace) -> int:
     print(f"| layer | max rel. gap | median rel. gap | derived rel_tol | default rel_tol |\n|---|---|---|---|---|")
     for layer, row in measure_gaps(args.model, args.layers, args.n_prompts).items():
         print(f"| {layer} | {row['max_gap']:.2e} | {row['median_gap']:.2e} | "
               f"{row['derived_rel_tol']:.2e} | {DEFAULT_REL_TOL:.0e} |")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), gap_command, argv)
 
 
 if __name__ == "__main__":

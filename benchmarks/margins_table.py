@@ -22,15 +22,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import arg, check_int, default_out_dir, run_main
+from benchmarks.speed import check_layer_spec, named_layers
 from sipit.audit import audit, table
 from sipit.margins import distances_to_all, margins
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.whitebox import WhiteBox
-
-
-def named_layers(spec: str, n_layers: int) -> list[int]:
-    names = {"first": 1, "middle": n_layers // 2, "last": n_layers}
-    return [names[x] if x in names else int(x) for x in spec.split(",")]
 
 
 def load_ids(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -77,36 +74,46 @@ def speed_ratio(wb: WhiteBox, ids: list[int], layer: int, chunk: int = 1024) -> 
             "forward_s": forward_s, "margin_over_step": margin_s / step_s, "margin_over_forward": margin_s / forward_s}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.margins_table", description=__doc__.split("\n")[0])
+    count, layers = arg(check_int, low=1), arg(check_layer_spec, name="")
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--layers", default="first,middle,last")
-    ap.add_argument("--n-prompts", type=int, default=1)
-    ap.add_argument("--positions", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--layers", type=layers, default="first,middle,last")
+    ap.add_argument("--n-prompts", type=count, default=1)
+    ap.add_argument("--positions", type=arg(check_int, low=0), default=3)
+    ap.add_argument("--chunk", type=count, default=1024)
+    ap.add_argument("--threads", type=count, default=None)
     ap.add_argument("--speed-layers", default="", help="layers (same syntax) at which to measure the speed ratio")
-    ap.add_argument("--audit-prompts", type=int, default=0, help="collision audit over this many prompts")
-    ap.add_argument("--audit-length", type=int, default=12)
-    ap.add_argument("--audit-layers", default="first,middle,last")
-    ap.add_argument("--audit-pairs", type=int, default=1, help="closest pairs extended by every token")
-    ap.add_argument("--out", default="runs/margins")
-    args = ap.parse_args(argv)
+    ap.add_argument("--audit-prompts", type=arg(check_int, low=0), default=0,
+                    help="collision audit over this many prompts")
+    ap.add_argument("--audit-length", type=count, default=12)
+    ap.add_argument("--audit-layers", type=layers, default="first,middle,last")
+    ap.add_argument("--audit-pairs", type=count, default=1, help="closest pairs extended by every token")
+    ap.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('margins')})")
+    return ap
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), margins_command, argv)
+
+
+def margins_command(args: argparse.Namespace) -> int:
+    """Margins per layer, optional speed ratio and collision audit, written to ``--out``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     wb = WhiteBox(lm.model)
     prompts = [p[: args.positions] for p in load_ids(lm.tokenizer, args.n_prompts, args.positions)] if args.positions > 0 else []
-    out = Path(args.out)
+    out = Path(args.out) if args.out is not None else default_out_dir("margins")
     out.mkdir(parents=True, exist_ok=True)
     rows, speeds = [], []
     if args.audit_prompts:
         audit_prompts = load_ids(lm.tokenizer, args.audit_prompts, args.audit_length)
-        arows = audit(wb, audit_prompts, named_layers(args.audit_layers, wb.n_layers), pairs=args.audit_pairs, chunk=args.chunk)
+        arows = audit(wb, audit_prompts, named_layers(args.audit_layers, wb, "--audit-layers"), pairs=args.audit_pairs, chunk=args.chunk)
         (out / "audit.json").write_text(json.dumps([asdict(r) for r in arows], indent=1))
         (out / "audit.md").write_text(table(args.model, arows))
         print(table(args.model, arows), flush=True)
-    for layer in named_layers(args.layers, wb.n_layers) if args.positions > 0 else []:
+    for layer in named_layers(args.layers, wb) if args.positions > 0 else []:
         started = time.perf_counter()
         ms = [margins(wb, ids, layer, chunk=args.chunk) for ids in prompts]
         secs = time.perf_counter() - started
@@ -119,7 +126,7 @@ def main(argv=None) -> None:
                      "per_prompt": [m.to_dict() for m in ms]})
         print(f"layer {layer:2d}: Delta min {deltas.min():.4g} median {deltas.median():.4g} max {deltas.max():.4g}"
               f"  (||h|| median {norms.median():.4g}; {secs / deltas.numel():.1f} s/position)", flush=True)
-        if layer in (named_layers(args.speed_layers, wb.n_layers) if args.speed_layers else []):
+        if layer in (named_layers(args.speed_layers, wb, "--speed-layers") if args.speed_layers else []):
             speeds.append(speed_ratio(wb, prompts[0], layer, args.chunk))
             print("  speed:", {k: round(v, 3) if isinstance(v, float) else v for k, v in speeds[-1].items()}, flush=True)
     (out / "margins.json").write_text(json.dumps({"model": args.model, "rows": rows, "speed": speeds,
@@ -136,7 +143,8 @@ def main(argv=None) -> None:
                   f"{s['margin_over_step']:.2f} | {s['margin_over_forward']:.2f} |" for s in speeds]
     (out / "margins.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -56,15 +56,15 @@ def check_layer_spec(spec: str | Sequence[str | int], *, name: str = "--layers")
     return layers
 
 
-def named_layers(spec: str | Sequence[str | int], whitebox: WhiteBox) -> list[int]:
+def named_layers(spec: str | Sequence[str | int], whitebox: WhiteBox, name: str = "--layers") -> list[int]:
     """``first,middle,last`` (or integers, negative from the end) -> layer indices of ``whitebox``
     (first = 1, middle = L // 2, last = L); a layer the model lacks raises SipitInputError."""
     n_layers = whitebox.n_layers
     names = {"first": 1, "middle": n_layers // 2, "last": n_layers}
     try:
-        return [names[x] if isinstance(x, str) else whitebox.resolve_layer(x) for x in check_layer_spec(spec)]
+        return [names[x] if isinstance(x, str) else whitebox.resolve_layer(x) for x in check_layer_spec(spec, name=name)]
     except SipitInputError as err:
-        raise usage_error("--layers:", str(err)) from None
+        raise usage_error(f"{name}:", str(err)) from None
 
 
 def bruteforce_positions(attack: SipIt, whitebox: WhiteBox, prompts, layer: int, n_positions: int, seed: int):

@@ -52,17 +52,16 @@ def usage_error(name: str, problem: str) -> UsageError:
     return UsageError(f"{name} {problem}" if name else problem)
 
 
-def check_int(value, *, low: int, name: str = "", high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]`` (a numeric string is accepted); else :class:`UsageError`."""
+def check_int(value, *, low: int, name: str = "") -> int:
+    """``value`` as an int >= ``low`` (a numeric string is accepted); else :class:`UsageError`."""
     try:
         number = int(str(value).strip()) if not isinstance(value, bool) else None
     except ValueError:
         number = None
-    if number is None or (isinstance(value, float) and value != number):
+    if number is None:
         raise usage_error(name, f"must be an integer, got {value!r}")
-    if number < low or (high is not None and number > high):
-        bound = f">= {low}" if high is None else f"in {low}..{high}"
-        raise usage_error(name, f"must be an integer {bound}, got {number}")
+    if number < low:
+        raise usage_error(name, f"must be an integer >= {low}, got {number}")
     return number
 
 

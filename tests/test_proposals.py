@@ -11,7 +11,7 @@ from sipit.models import load_model
 from sipit.vocab_table import position_zero_table, table_path, weights_fingerprint
 from sipit.whitebox import WhiteBox
 
-SMALL = HeadConfig(n_text=4096, n_random=2048, n_pairs=1024)
+SMALL = HeadConfig(n_text=4096, n_random=2048, n_pairs=4096, min_steps=300)
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +58,10 @@ def test_a_useless_head_costs_candidates_not_correctness(tiny_llama, one_thread)
     baseline = good.invert(observed, wb, 2, loaded.tokenizer)
     # Scramble the heads in place (prepare() returns the memoised objects): proposals become noise.
     generator = torch.Generator().manual_seed(0)
-    for head, _ in policy.heads.values():
-        head.coef = torch.randn(head.coef.shape, generator=generator)
+    with torch.no_grad():
+        for head, _ in policy.heads.values():
+            for weight in head.parameters():
+                weight.copy_(torch.randn(weight.shape, generator=generator))
     scrambled = good.invert(observed, wb, 2, loaded.tokenizer)
     assert scrambled.ids == baseline.ids == prompt.ids
     assert scrambled.all_verified

@@ -10,18 +10,35 @@ Everything goes through an explicit :class:`mlflow.MlflowClient` (no global acti
 run that is interrupted is closed with status FAILED by :meth:`Tracker.fail` and never left
 RUNNING. Telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``: this machine has no
 internet).
+
+Before any run is written, :func:`check_store` probes the store with a short timeout (an HTTP
+server's ``/health``, an sqlite file's write lock, a database connection), so a wrong URI is one
+clear error within seconds instead of minutes of silent retries; MLflow's own HTTP retries are
+bounded here (3 retries, about 7 s, unless the ``MLFLOW_HTTP_REQUEST_*`` variables say otherwise).
+A new sqlite store is created and migrated in a temporary file next to it and moved into place
+in one step (:func:`create_sqlite_store`), so an interruption never leaves a half-migrated
+database. Every message that shows a URI goes through :func:`redact` (no passwords in output).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
+import sqlite3
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# MLflow's defaults retry an unreachable server for ~250 s (7 retries, backoff factor 2) in silence.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STORE_DIR = REPO_ROOT / "mlflow"
@@ -31,8 +48,23 @@ MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
+CHECK_TIMEOUT = 5.0
+_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*):[^@\s/]*@")
+
+
 class TrackingError(RuntimeError):
     """The tracking store cannot be reached or written."""
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` URL in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"\g<head>:***@", str(text))
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: first line of the message``, credentials redacted: an error fit for a one-line message."""
+    lines = str(err).strip().splitlines()
+    return redact(f"{type(err).__name__}: {lines[0] if lines else ''}")
 
 
 def default_tracking_uri() -> str:
@@ -50,6 +82,101 @@ def artifact_root(uri: str) -> str | None:
     """Where a new experiment stores artifacts: next to an sqlite file; the server's choice otherwise."""
     path = sqlite_path(uri)
     return (path.parent / "artifacts").resolve().as_uri() if path is not None else None
+
+
+def check_store(uri: str, timeout: float = CHECK_TIMEOUT) -> None:
+    """Raise :class:`TrackingError` within about ``timeout`` seconds if the store at ``uri`` is unusable."""
+    scheme = urlparse(uri).scheme
+    try:
+        if scheme in ("http", "https"):
+            _check_http(uri, timeout)
+        elif scheme == "sqlite":
+            _check_sqlite(sqlite_path(uri), timeout)
+        elif scheme and scheme != "file":
+            _check_database(uri, timeout)
+    except Exception as err:  # noqa: BLE001 - any failure of the probe means "cannot track"
+        reason = str(err) if isinstance(err, TrackingError) else describe_error(err)
+        raise TrackingError(f"cannot use MLflow tracking store {redact(uri)!r}: {redact(reason)}") from None
+
+
+def _check_http(uri: str, timeout: float) -> None:
+    """A tracking server answers ``/health`` (any HTTP answer below 500 means something is there)."""
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+            return
+    except urllib.error.HTTPError as err:
+        if err.code < 500:
+            return
+        reason = f"HTTP {err.code}"
+    except (OSError, ValueError) as err:
+        reason = str(getattr(err, "reason", err))
+    raise TrackingError(f"no MLflow server answers within {timeout:.0f}s ({reason}): start it, or fix --tracking-uri")
+
+
+def _check_sqlite(path: Path, timeout: float) -> None:
+    """The folder can hold the file, and the file (if there) is an sqlite database we may write."""
+    folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        raise TrackingError(f"{folder} is a file, not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_file():
+        raise TrackingError(f"{path} is not a file")
+    if not path.exists():
+        probe = folder / f".{path.name}.probe-{os.getpid()}"
+        try:
+            probe.touch()
+        except OSError as err:
+            raise TrackingError(f"cannot create files in {folder} ({err.strerror})") from None
+        probe.unlink()
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=timeout, isolation_level=None)) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+    except sqlite3.Error as err:
+        raise TrackingError(f"{path} cannot be written ({err})") from None
+
+
+def _check_database(uri: str, timeout: float) -> None:
+    """One connection to a database store (PostgreSQL, MySQL) with a connect timeout."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": max(1, int(timeout))})
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
+
+
+def create_sqlite_store(path: Path) -> None:
+    """Create and migrate a new MLflow sqlite store at ``path`` atomically (temp file, then a hard link).
+
+    Interrupted at any point, ``path`` either does not exist or is a complete store; when another
+    process created it meanwhile, theirs is kept (``os.link`` never replaces a file).
+    """
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", artifact_root(f"sqlite:///{path}"))
+        store.engine.dispose()
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def open_store(uri: str) -> None:
+    """Probe the store at ``uri`` (see :func:`check_store`); create a missing sqlite store atomically."""
+    check_store(uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        try:
+            create_sqlite_store(db)
+        except Exception as err:  # noqa: BLE001
+            raise TrackingError(f"cannot create MLflow store {db}: {describe_error(err)}") from None
 
 
 def package_versions() -> dict[str, str]:
@@ -108,12 +235,8 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.uri = tracking_uri or default_tracking_uri()
-        db = sqlite_path(self.uri)
+        open_store(self.uri)
         try:
-            if db is not None:
-                db.parent.mkdir(parents=True, exist_ok=True)
-                if not os.access(db.parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
-                    raise PermissionError(f"{db} (or its folder) is not writable")
             self.client = MlflowClient(tracking_uri=self.uri)
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
@@ -124,7 +247,7 @@ class Tracker:
                 # MLflow 3's UI shows GenAI pages unless told this is classic model work: the runs table.
                 self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
         except Exception as err:  # noqa: BLE001 - any store failure means "cannot track"
-            raise TrackingError(f"cannot use MLflow tracking store {self.uri!r}: {type(err).__name__}: {err}") from err
+            raise TrackingError(f"cannot use MLflow tracking store {redact(self.uri)!r}: {describe_error(err)}") from None
         self._mlflow = mlflow
         self.parent_id: str | None = None
         self.open_runs: list[str] = []

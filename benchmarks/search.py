@@ -38,10 +38,12 @@ on scheduling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,19 +51,49 @@ import time
 import warnings
 from pathlib import Path
 
+from benchmarks.cli import default_out_dir
+from benchmarks.search_runs import TrialRuns, write_trial_file
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget, report_group
+from benchmarks.tracking import describe_error, redact
 
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "attacks", "budget", "sigma_low", "sigma_high", "tying_method", "experiment")
 PARENT_ATTR = "mlflow_parent_run_id"
+STORAGE_ENV = "SIPIT_SEARCH_STORAGE"
+MAX_RETRY = 3
 
 
 class SearchUsageError(ValueError):
     """Bad options, reported before any heavy work."""
 
 
+class SearchAborted(RuntimeError):
+    """The search stopped before its target (a worker died, the storage stayed down): a rerun resumes it."""
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C: the interrupted trials were re-queued; the message says what was done."""
+
+
+class StorageLost(BaseException):
+    """Raised inside a trial when the storage fails, so Optuna neither records nor swallows the trial.
+
+    A BaseException (not an Exception): ``study.optimize(catch=(Exception,))`` would otherwise turn it
+    into an ordinary FAIL trial; the worker loop waits for the storage and re-queues the trial.
+    """
+
+
 # --------------------------------------------------------------------------- storage
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the storage is unreachable" (database down, connection dropped, file gone)."""
+    import optuna
+    import sqlalchemy.exc
+
+    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.DBAPIError, sqlalchemy.exc.InterfaceError,
+            sqlalchemy.exc.TimeoutError, OSError)
+
+
 def _heartbeat_journal_class():
     import optuna
     from optuna.storages import JournalStorage
@@ -103,48 +135,82 @@ def _heartbeat_journal_class():
     return HeartbeatJournalStorage
 
 
-def _retry_callback(tracking_uri: str | None, experiment: str, max_retry: int):
-    """Mark the stale trial's MLflow run FAILED, then re-queue its parameters (WAITING trial)."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
+def _resilient_rdb_class():
+    from optuna.storages import RDBStorage
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+    class ResilientRDBStorage(RDBStorage):
+        """RDBStorage whose heartbeat thread outlives a database outage.
+
+        Optuna's heartbeat thread dies at the first failed write, and the trial then goes stale while
+        its worker is still computing; here a failed beat is skipped and the next one tries again.
+        """
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                super().record_heartbeat(trial_id)
+            except storage_errors():
+                pass
+
+    return ResilientRDBStorage
+
+
+def requeue(study, trial, max_retry: int = MAX_RETRY) -> bool:
+    """Queue a WAITING trial with the failed ``trial``'s parameters, so a worker (or a rerun) redoes it.
+
+    Unlike Optuna's RetryHeartbeatStaleTrialCallback, the copy inherits no user attributes (they
+    name the dead trial's MLflow run and measurement), nothing is queued for a trial that had drawn
+    no parameters yet (a fresh trial is the same thing), and a trial is queued at most once.
+    Returns whether a trial was queued.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    history = [*trial.system_attrs.get("retry_history", []), trial.number]
+    if not trial.params or len(history) > max_retry:
+        return False
+    if any((t.system_attrs.get("retry_history") or [None])[-1] == trial.number for t in study.get_trials(deepcopy=False)):
+        return False
+    study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, params=trial.params,
+                                              distributions=trial.distributions,
+                                              system_attrs={"failed_trial": history[0], "retry_history": history}))
+    return True
+
+
+def _stale_callback(runs_for):
+    """Fail the stale trial's MLflow runs (found by tag: linked or not), then re-queue its parameters."""
 
     def callback(study, trial):
-        run_id = trial.user_attrs.get("mlflow_run_id")
-        if run_id:
-            try:
-                from benchmarks.tracking import Tracker
-
-                tracker = Tracker(tracking_uri, experiment)
-                tracker.set_tag(run_id, "failure", f"worker {trial.user_attrs.get('worker')} stopped (stale heartbeat)")
-                tracker.client.set_terminated(run_id, status="FAILED")
-            except Exception:  # noqa: BLE001 - tracking is best effort here
-                pass
-        retry(study, trial)
+        runs = runs_for(study)
+        if runs is not None:
+            runs.terminate(trial.number, "FAILED", f"worker {trial.user_attrs.get('worker', '?')} stopped "
+                                                   "(stale heartbeat)")
+        requeue(study, trial)
 
     return callback
 
 
-def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, tracking_uri=None,
-                 experiment: str = "sipit-search", max_retry: int = 3):
-    """An Optuna storage with heartbeats and stale-trial retry, from a path or URL."""
+def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None):
+    """An Optuna storage with heartbeats and stale-trial retry, from a path or URL.
+
+    ``runs_for(study)`` gives the study's :class:`TrialRuns` (or None) for the stale-trial callback.
+    """
     import optuna
 
     if not storage:
-        raise SearchUsageError("--storage is required (a journal file path or a database URL)")
+        raise SearchUsageError(f"--storage is required (a journal file path or a database URL; or set ${STORAGE_ENV})")
     if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
         raise SearchUsageError(f"need 1 <= --heartbeat-interval < --grace-period, got {heartbeat_interval}, {grace_period}")
-    callback = _retry_callback(tracking_uri, experiment, max_retry)
+    callback = _stale_callback(runs_for)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if "://" in storage:
             try:
-                return optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                                  heartbeat_stale_trial_callback=callback)
+                return _resilient_rdb_class()(storage, heartbeat_interval=heartbeat_interval,
+                                              grace_period=grace_period, heartbeat_stale_trial_callback=callback,
+                                              engine_kwargs={"pool_pre_ping": True})
             except Exception as err:  # noqa: BLE001 - driver missing, host unreachable, bad URL
-                raise SearchUsageError(f"--storage {storage!r}: cannot open database: {type(err).__name__}: {err}") from None
+                raise SearchUsageError(f"--storage {redact(storage)!r}: cannot open database: "
+                                       f"{describe_error(err)}") from None
         path = Path(storage[len("journal:"):] if storage.startswith("journal:") else storage)
         if not path.parent.exists():
             raise SearchUsageError(f"--storage {storage!r}: folder {path.parent} does not exist")
@@ -154,7 +220,41 @@ def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int
                                           grace_period=grace_period, callback=callback)
 
 
+def wait_for_storage(study, max_wait: float, log) -> None:
+    """Retry a cheap read with backoff (1, 2, 4 ... 15 s) until the storage answers; SearchAborted after ``max_wait`` s."""
+    deadline, delay = time.monotonic() + max_wait, 1.0
+    while True:
+        try:
+            study._storage.get_study_id_from_name(study.study_name)
+            return
+        except storage_errors() as err:
+            if time.monotonic() + delay > deadline:
+                raise SearchAborted(f"the storage did not answer for {max_wait:.0f}s ({describe_error(err)}): "
+                                    "stopping; completed trials are kept, rerun the same command to resume") from None
+            log(f"[search] storage unreachable ({describe_error(err)}); retrying in {delay:.0f}s")
+            time.sleep(delay)
+            delay = min(2 * delay, 15.0)
+
+
 # --------------------------------------------------------------------------- config
+def check_budget(budget) -> dict:
+    """The attack budget as a full dict; unknown keys and non-positive values are a usage error."""
+    defaults = AttackBudget().to_dict()
+    if budget is None:
+        return defaults
+    if isinstance(budget, AttackBudget):
+        return budget.to_dict()
+    if not isinstance(budget, dict):
+        raise SearchUsageError(f"--budget is a JSON object such as {json.dumps(defaults)}, got {budget!r}")
+    unknown = sorted(set(budget) - set(defaults))
+    if unknown:
+        raise SearchUsageError(f"--budget: unknown key(s) {unknown}: choose from {', '.join(defaults)}")
+    bad = {k: v for k, v in budget.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise SearchUsageError(f"--budget values are integers >= 1, got {bad}")
+    return {**defaults, **budget}
+
+
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment) -> dict:
     """Validated search configuration (everything that must agree between workers)."""
@@ -183,17 +283,22 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
             raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
     if tying_method not in ("rare", "kmeans"):
         raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
-    budget = budget.to_dict() if isinstance(budget, AttackBudget) else dict(budget or AttackBudget().to_dict())
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
-                attacks=list(attacks), budget=budget, sigma_low=float(sigma_low), sigma_high=float(sigma_high),
-                tying_method=tying_method, experiment=experiment)
+                attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
+                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment)
 
 
-def _sampler(config: dict, worker: int):
+def _sampler(config: dict, worker: int, attach_count: int = 0):
+    """The worker's sampler, seeded by (seed, worker index, trials in the study when it attached).
+
+    A fresh 1-worker study is reproducible; a rerun draws a new stream instead of replaying the first
+    run's draws (which repeated earlier settings, re-used at 0.0 s, so fewer distinct settings counted).
+    """
+    import numpy as np
     import optuna
 
-    seed = config["seed"] + worker
+    seed = int(np.random.SeedSequence([config["seed"], worker, attach_count]).generate_state(1)[0])
     if config["mode"] == "pareto":
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
@@ -223,6 +328,7 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
 
 
 def check_same_config(stored: dict, given: dict) -> None:
+    stored = {**stored, "budget": check_budget(stored.get("budget"))}  # studies stored before budgets were filled
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "
@@ -241,46 +347,88 @@ def _counts(study) -> dict:
     return out
 
 
-def _with_retries(fn, attempts: int = 5):
-    """MLflow sqlite stores can be briefly locked by another worker: retry a few times."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except Exception:  # noqa: BLE001
-            if i == attempts - 1:
-                raise
-            time.sleep(0.5 * (i + 1))
+def _who() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+_RUNS: dict = {}
+
+
+def study_runs(study, *, tracking_uri=None, track: bool = True, log=print) -> TrialRuns | None:
+    """The study's :class:`TrialRuns` in this process (one per tracking URI and parent run), or None untracked."""
+    from benchmarks.tracking import Tracker
+
+    parent = study.user_attrs.get(PARENT_ATTR)
+    if not track or not parent:
+        return None
+    uri = tracking_uri or study.user_attrs.get("tracking_uri")
+    if (uri, parent) not in _RUNS:
+        tracker = Tracker(uri, study.user_attrs["config"]["experiment"])
+        tracker.parent_id = parent
+        _RUNS[uri, parent] = TrialRuns(tracker, study.study_name, _who(), log)
+    return _RUNS[uri, parent]
+
+
+def _measure_trial(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
+    """Evaluate (or re-use) one setting and record it: Optuna user attrs, the results folder, MLflow."""
+    from benchmarks.search_space import evaluate
+
+    logged = runs is not None and runs.start(trial, trial.user_attrs["family"])
+    try:
+        m = _reuse(trial.study, trial) or evaluate(ctx, names, params)
+    except BaseException as err:
+        interrupted = isinstance(err, KeyboardInterrupt)
+        trial.set_user_attr("error", f"{type(err).__name__}: {err}"[:2000])
+        if runs is not None:
+            runs.terminate(trial.number, "KILLED" if interrupted else "FAILED", describe_error(err)[:5000])
+        raise
+    for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
+                "strongest_attack", "seconds", "sigma_abs_median", "reused_from"):
+        if m.get(key) is not None:
+            trial.set_user_attr(key, m[key])
+    trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
+                                        "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
+    trial.set_user_attr("defense_params", m["defense_params"])
+    excess = m["recovery"] - config["threshold"]
+    if config["mode"] == "constrained":
+        trial.set_constraint("recovery", excess)
+    trial.set_user_attr("constraint.recovery", excess)
+    trial.set_user_attr("feasible", excess <= 0)
+    write_trial_file(out_dir, trial.number, trial.params, trial.user_attrs)
+    if logged:
+        runs.finish(trial)
+    return m
 
 
 def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, tracking_uri=None, track: bool = True,
-               heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, log=print) -> int:
-    """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran."""
+               heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, storage_wait: float = 120.0,
+               out: str | Path | None = None, log=print) -> int:
+    """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran.
+
+    A storage outage: the worker retries with backoff for up to ``storage_wait`` s (then SearchAborted)
+    and re-queues the trial it was running. Ctrl-C: the running trial FAILs, is re-queued and its
+    MLflow run KILLED, then :class:`SearchInterrupted`.
+    """
     import optuna
     from optuna.trial import TrialState
 
     from benchmarks.prompts import named_prompt_set
-    from benchmarks.search_space import TrialContext, evaluate, suggest_setting
+    from benchmarks.search_space import TrialContext, suggest_setting
     from sipit.models import load_model
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported below, one line each
     if isinstance(storage, str):
         storage = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                               tracking_uri=tracking_uri)
+                               runs_for=lambda s: _runs_or_none(s, tracking_uri, track, log))
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
         raise SearchUsageError(f"study {study_name!r} does not exist in the storage: create it first "
                                "(run without --attach, or with --create-only)") from None
     config = study.user_attrs["config"]
-    study.sampler = _sampler(config, worker)
-    tracking_uri = tracking_uri or study.user_attrs.get("tracking_uri")
-    tracker = None
-    parent = study.user_attrs.get(PARENT_ATTR)
-    if track and parent:
-        from benchmarks.tracking import Tracker
-
-        tracker = _with_retries(lambda: Tracker(tracking_uri, config["experiment"]))
-        tracker.parent_id = parent
+    study.sampler = _sampler(config, worker, len(study.get_trials(deepcopy=False)))
+    runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
+    out_dir = Path(out) if out is not None else default_out_dir(f"search-{study_name}")
 
     loaded = load_model(config["model"])
     from sipit.whitebox import WhiteBox
@@ -291,10 +439,12 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     ctx = TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
     vocab = ctx.clean_wb.vocab_size
-    who = f"{socket.gethostname()}:{os.getpid()}"
+    who = _who()
     study.set_user_attr(f"worker:{who}", time.time())  # who attached to the study, and when
+    current: dict = {}
 
     def objective(trial):
+        current["trial"] = trial
         # Two workers may both start the last trial: the later-numbered one stands down (PRUNED, not counted).
         others = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
                   if t.number != trial.number and (t.state == TrialState.COMPLETE or t.number < trial.number)]
@@ -307,42 +457,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
         trial.set_user_attr("worker", who)
         trial.set_user_attr("family", family)
         trial.set_user_attr("group", report_group(family, trial.params))
-        child = None
-        if tracker is not None:
-            child = _with_retries(lambda: tracker.client.create_run(
-                tracker.experiment_id, run_name=f"trial-{trial.number}",
-                tags={"mlflow.parentRunId": tracker.parent_id, "trial": str(trial.number), "family": family,
-                      "worker": who}).info.run_id)
-            trial.set_user_attr("mlflow_run_id", child)
-            _with_retries(lambda: tracker.log_params(child, {"trial": trial.number, **trial.params}))
-        try:
-            m = _reuse(study, trial) or evaluate(ctx, names, params)
-        except BaseException as err:
-            trial.set_user_attr("error", f"{type(err).__name__}: {err}"[:2000])
-            if child is not None:
-                _with_retries(lambda: tracker.set_tag(child, "failure", f"{type(err).__name__}: {err}"[:5000]))
-                _with_retries(lambda: tracker.client.set_terminated(child, status="FAILED"))
-            raise
-        for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
-                    "strongest_attack", "seconds", "sigma_abs_median", "reused_from"):
-            if m.get(key) is not None:
-                trial.set_user_attr(key, m[key])
-        trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
-                                            "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
-        trial.set_user_attr("defense_params", m["defense_params"])
-        excess = m["recovery"] - config["threshold"]
-        if config["mode"] == "constrained":
-            trial.set_constraint("recovery", excess)
-        trial.set_user_attr("constraint.recovery", excess)
-        trial.set_user_attr("feasible", excess <= 0)
-        if child is not None:
-            metrics = {k: m[k] for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                         "recovery", "seconds") if m.get(k) is not None}
-            metrics.update({f"{a}.token_accuracy": v["token_accuracy"] for a, v in m["attacks"].items()})
-            metrics["constraint.recovery"] = excess
-            metrics["feasible"] = float(excess <= 0)
-            _with_retries(lambda: tracker.log_metrics(child, metrics))
-            _with_retries(lambda: tracker.client.set_terminated(child, status="FINISHED"))
+        m = _measure_trial(trial, ctx, config, runs, names, params, out_dir)
         log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
             f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} ({m['seconds']:.1f}s)",
             file=sys.stderr)
@@ -350,26 +465,151 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
             return m["utility_loss"], m["recovery"]
         return m["utility_loss"]
 
+    def guarded(trial):
+        try:
+            return objective(trial)
+        except storage_errors() as err:
+            if _storage_down(study):
+                raise StorageLost(describe_error(err)) from None
+            raise
+
     ran, failures, max_failures = 0, 0, 5
     while True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
-        c = _counts(study)
-        if c["COMPLETE"] >= n_trials:
-            break
-        if c["COMPLETE"] + c["RUNNING"] >= n_trials and not c["WAITING"]:
-            time.sleep(poll)  # the others will finish the study (or go stale and be retried)
+        current.clear()
+        try:
+            if _worker_step(study, guarded, n_trials, runs, poll):
+                break
+            ran += 1
+            failures = failures + 1 if _last_failed(study, current) else 0
+        except KeyboardInterrupt:
+            raise _interrupted(study, current, runs, worker, log) from None
+        except (StorageLost, Exception) as err:
+            if _is_storage_failure(err, study):
+                log(f"[search w{worker}] storage failed ({describe_error(err)}): waiting for it", file=sys.stderr)
+                wait_for_storage(study, storage_wait, lambda *a: log(*a, file=sys.stderr))
+                _abandon(study, current, runs, "FAILED", "the storage failed during the trial")
+            elif current.get("trial") and _in_chain(err, (optuna.exceptions.UpdateFinishedTrialError,)):
+                log(f"[search w{worker}] another worker failed trial {current['trial'].number} as stale (no heartbeat "
+                    "within --grace-period) while it ran here; its retry redoes it", file=sys.stderr)
+                _abandon(study, current, runs, "FAILED", "failed as stale while its worker was still running it")
+                failures += 1
+            else:
+                raise
             continue
-        before = _counts(study)["FAIL"]
-        # A setting that raises (e.g. a defence/attack combination a model does not support) is recorded
-        # as a FAIL trial with its error and the worker goes on; many failures in a row stop the worker.
-        study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=False)
-        ran += 1
-        failures = failures + 1 if _counts(study)["FAIL"] > before else 0
         if failures >= max_failures:
-            raise RuntimeError(f"{failures} trials in a row failed in this worker; see the trials' 'error' attribute")
+            raise SearchAborted(f"{failures} trials in a row failed in this worker; see the trials' 'error' attribute")
     return ran
+
+
+def _runs_or_none(study, tracking_uri, track, log):
+    """:func:`study_runs`, or None when the tracking store cannot be opened (the stale trial is still retried)."""
+    try:
+        return study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _worker_step(study, objective, n_trials: int, runs, poll: float) -> bool:
+    """One round of the worker loop: reap stale trials, re-log deferred MLflow runs, run one trial.
+
+    Returns True when the study holds ``n_trials`` COMPLETE trials.
+    """
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    if runs is not None:
+        runs.relog_pending(study)
+    c = _counts(study)
+    if c["COMPLETE"] >= n_trials:
+        return True
+    if c["COMPLETE"] + c["RUNNING"] >= n_trials and not c["WAITING"]:
+        time.sleep(poll)  # the others will finish the study (or go stale and be retried)
+        return False
+    # A setting that raises (e.g. a defence/attack combination a model does not support) is recorded
+    # as a FAIL trial with its error and the worker goes on; many failures in a row stop the worker.
+    study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=False)
+    return False
+
+
+def _last_failed(study, current: dict) -> bool:
+    trial = current.get("trial")
+    return trial is not None and study._storage.get_trial(trial._trial_id).state.name == "FAIL"
+
+
+def _in_chain(err: BaseException, types: tuple) -> bool:
+    """Is ``err``, or anything in its cause/context chain, one of ``types``?"""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, types):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_storage_failure(err: BaseException, study) -> bool:
+    """Did ``err`` come from the storage (itself or anything in its chain), or is the storage down now?"""
+    return _in_chain(err, (StorageLost, *storage_errors())) or _storage_down(study)
+
+
+def _storage_down(study) -> bool:
+    try:
+        study._storage.get_study_id_from_name(study.study_name)
+        return False
+    except storage_errors():
+        return True
+
+
+def _abandon(study, current: dict, runs, status: str, reason: str) -> bool:
+    """FAIL this worker's current trial if it is still RUNNING, re-queue it, mark its MLflow runs ``status``.
+
+    Returns whether it was re-queued (False: no trial, no parameters drawn yet, or already re-queued).
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    trial = current.get("trial")
+    if trial is None:
+        return False
+    frozen = study._storage.get_trial(trial._trial_id)
+    if frozen.state == TrialState.RUNNING:
+        try:
+            study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
+        frozen = study._storage.get_trial(trial._trial_id)
+    if frozen.state != TrialState.FAIL:
+        return False  # it completed (or stood down) before the failure: nothing to redo
+    if runs is not None:
+        runs.terminate(frozen.number, status, reason)
+    return requeue(study, frozen)
+
+
+def _interrupted(study, current: dict, runs, worker: int, log) -> SearchInterrupted:
+    """Ctrl-C in a worker: with further Ctrl-C held off, re-queue the running trial; the message says what happened."""
+    with _sigint_held():
+        trial = current.get("trial")
+        try:
+            queued = _abandon(study, current, runs, "KILLED", "interrupted (Ctrl-C)")
+        except Exception as err:  # noqa: BLE001 - the storage may be what we are interrupting
+            return SearchInterrupted(f"worker {worker} interrupted; trial {trial.number if trial else '-'} could not "
+                                     f"be re-queued ({describe_error(err)}): it goes stale and is retried after "
+                                     "--grace-period")
+        if trial is None:
+            return SearchInterrupted(f"worker {worker} interrupted between trials")
+        what = "re-queued for a rerun" if queued else "not re-queued (no parameters drawn yet)"
+        return SearchInterrupted(f"worker {worker} interrupted: trial {trial.number} marked FAIL and {what}")
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """SIGINT ignored inside (a second Ctrl-C does not break the clean-up); restored after."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _reuse(study, trial) -> dict | None:
@@ -513,11 +753,10 @@ def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log
     paths = [out / "report.json", out / "report.md", out / "trials.csv"]
     if report["trials"]:
         paths.append(plot_report(report, out / "pareto.png"))
-    parent = study.user_attrs.get(PARENT_ATTR)
-    if track and parent:
-        from benchmarks.tracking import Tracker
-
-        tracker = Tracker(tracking_uri or study.user_attrs.get("tracking_uri"), report["config"]["experiment"])
+    runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
+    if runs is not None:
+        runs.relog_pending(study)  # trials whose MLflow logging failed while the server was down
+        tracker, parent = runs.tracker, runs.parent_id
         tracker.log_artifacts(parent, paths)
         table = {"trial": [], "group": [], "params": [], "ppl_rel_increase": [], "recovery": [], "best_in_group": []}
         best_ids = {g["best"]["trial"] for g in report["groups"].values() if g["best"]}
@@ -543,7 +782,7 @@ def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log
 
 # --------------------------------------------------------------------------- the command
 def run_search(
-    storage: str,
+    storage: str | None,
     study: str = "sipit-search",
     n_trials: int = 30,
     *,
@@ -572,63 +811,156 @@ def run_search(
     track: bool = True,
     heartbeat_interval: int = 5,
     grace_period: int = 30,
+    storage_wait: float = 120.0,
     out: str | Path | None = None,
     log=print,
 ) -> dict:
     """Create the study (unless ``attach``), run ``workers`` workers, write the report (unless attach).
 
-    Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``.
+    Everything is validated (options, budget, the tracking store) before the study is created.
+    Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``. Raises
+    :class:`SearchUsageError` (bad input), :class:`SearchAborted` (a worker died, the storage stayed
+    down: rerun to resume) or :class:`SearchInterrupted` (Ctrl-C: running trials re-queued).
     """
     import optuna
 
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise SearchUsageError(f"--n-trials must be an int >= 1, got {n_trials!r}")
-    if workers < 0:
-        raise SearchUsageError(f"--workers must be >= 0, got {workers}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise SearchUsageError(f"--workers must be an int >= 1 (worker processes on this machine), got {workers!r}")
     if sum((create_only, attach, report_only)) > 1:
         raise SearchUsageError("give at most one of --create-only, --attach, --report-only")
+    if not storage_wait >= 0:
+        raise SearchUsageError(f"--storage-wait must be >= 0 seconds, got {storage_wait!r}")
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment)
+    _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                         tracking_uri=tracking_uri, experiment=experiment)
+                         runs_for=lambda s: _runs_or_none(s, tracking_uri, track, log))
     if attach or report_only:
         try:
             st = optuna.load_study(study_name=study, storage=store)
         except KeyError:
-            raise SearchUsageError(f"study {study!r} does not exist in {storage}: create it first (--create-only)") from None
+            raise SearchUsageError(f"study {study!r} does not exist in {redact(storage)}: create it first "
+                                   "(--create-only)") from None
         check_same_config(st.user_attrs["config"], config)
     else:
         st = create_study(store, study, config, tracking_uri=tracking_uri, track=track)
-        log(f"[search] study {study!r} ready in {storage} ({_counts(st)['COMPLETE']} complete trials)", file=sys.stderr)
+        log(f"[search] study {study!r} ready in {redact(storage)} ({_counts(st)['COMPLETE']} complete trials)",
+            file=sys.stderr)
+    out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
     if not create_only and not report_only:
-        if workers == 1 or (attach and workers <= 1):
-            result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
-                                       track=track, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                       log=log)
-        elif workers > 1:
-            procs = [subprocess.Popen(worker_command(storage, study, n_trials, config, worker_index=worker_index + i,
-                                                     tracking_uri=tracking_uri, track=track,
-                                                     heartbeat_interval=heartbeat_interval, grace_period=grace_period))
-                     for i in range(workers)]
-            codes = [p.wait() for p in procs]
-            if any(codes):
-                log(f"[search] worker exit codes {codes}", file=sys.stderr)
+        try:
+            if workers == 1:
+                result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
+                                           track=track, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                           storage_wait=storage_wait, out=out_dir, log=log)
+            else:
+                run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
+                                     tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
+                                     grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
+        except KeyboardInterrupt as err:
+            message = str(err) or "interrupted"
+            raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) from None
+        except SearchAborted as err:
+            c = _counts(st)
+            message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same command "
+                       "to finish it and write the report")
+            raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) from None
     result["counts"] = _counts(st)
     if not attach and not create_only:
-        out_dir = Path(out) if out is not None else Path("results") / f"search-{study}"
         result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
     return result
 
 
-def worker_command(storage, study, n_trials, config, *, worker_index, tracking_uri, track, heartbeat_interval,
-                   grace_period) -> list[str]:
-    """The ``--attach`` command line of one worker subprocess (same configuration)."""
-    b = config["budget"]
-    cmd = [sys.executable, "-m", "benchmarks.search", "--storage", storage, "--study", study, "--n-trials", str(n_trials),
+def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) -> None:
+    """Probe the tracking store within seconds (a worker that attaches uses the study's URI unless given one)."""
+    from benchmarks.tracking import TrackingError, check_store, default_tracking_uri
+
+    if not track or (tracking_uri is None and not creating):
+        return
+    try:
+        check_store(tracking_uri or default_tracking_uri())
+    except TrackingError as err:
+        raise SearchUsageError(str(err)) from None
+
+
+def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, reason: str) -> str:
+    """Mark the study's MLflow parent run ``status`` (only the command that owns it: not ``--attach``).
+
+    Returns what to add to the message: what was done, never more.
+    """
+    parent = study.user_attrs.get(PARENT_ATTR) if track and not attach else None
+    if parent is None:
+        return ""
+    with _sigint_held():
+        try:
+            runs = study_runs(study, tracking_uri=tracking_uri, track=track)
+            runs.tracker.set_tag(parent, "failure", reason[:5000])
+            runs.tracker.client.set_terminated(parent, status=status)
+        except Exception as err:  # noqa: BLE001
+            return f" (the MLflow parent run could not be marked {status}: {describe_error(err)})"
+    return f" (MLflow parent run marked {status})"
+
+
+def describe_exit(code: int) -> str:
+    """A worker process's exit status in words."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return "was interrupted (exit 130)" if code == 130 else f"exited with code {code}"
+
+
+def run_worker_processes(storage: str, study: str, n_trials: int, config: dict, *, workers: int, first_index: int,
+                         tracking_uri, track: bool, heartbeat_interval: int, grace_period: int, storage_wait: float,
+                         out: Path) -> None:
+    """``workers`` worker subprocesses (``--attach``) until they stop; SearchAborted names any that died.
+
+    Ctrl-C: every worker gets SIGINT (a terminal sends it to all; a signal to this process alone is
+    passed on), re-queues its running trial and exits; then :class:`SearchInterrupted`.
+    """
+    procs = []
+    for i in range(workers):
+        cmd, env = worker_process(study, n_trials, config, worker_index=first_index + i, storage=storage,
+                                  tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
+                                  grace_period=grace_period, storage_wait=storage_wait, out=out)
+        procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        with _sigint_held():
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            codes = [_wait_or_kill(p, timeout=60) for p in procs]
+        stopped = sum(code == 130 for code in codes)
+        raise SearchInterrupted(f"interrupted: {stopped} of {workers} workers stopped cleanly (each re-queued its "
+                                "running trial); rerun the same command to resume") from None
+    dead = [f"worker {first_index + i} (pid {p.pid}) {describe_exit(code)}"
+            for i, (p, code) in enumerate(zip(procs, codes)) if code != 0]
+    if dead:
+        raise SearchAborted("; ".join(dead))
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def worker_process(study, n_trials, config, *, worker_index, storage, tracking_uri, track, heartbeat_interval,
+                   grace_period, storage_wait, out) -> tuple[list[str], dict]:
+    """The ``--attach`` command line of one worker subprocess (same configuration) and its environment.
+
+    The storage URL and tracking URI travel in the environment (``$SIPIT_SEARCH_STORAGE``,
+    ``$MLFLOW_TRACKING_URI``), not on the command line, where ``ps`` would show their passwords.
+    """
+    cmd = [sys.executable, "-m", "benchmarks.search", "--study", study, "--n-trials", str(n_trials),
            "--attach", "--workers", "1", "--worker-index", str(worker_index), "--model", config["model"],
            "--layer", str(config["layer"]), "--families", ",".join(config["families"]), "--mode", config["mode"],
            "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
@@ -637,21 +969,35 @@ def worker_command(storage, study, n_trials, config, *, worker_index, tracking_u
            "--sigma-low", repr(config["sigma_low"]), "--sigma-high", repr(config["sigma_high"]),
            "--tying-method", config["tying_method"], "--experiment", config["experiment"],
            "--heartbeat-interval", str(heartbeat_interval), "--grace-period", str(grace_period),
-           "--budget", json.dumps(b)]
+           "--storage-wait", repr(float(storage_wait)), "--budget", json.dumps(config["budget"]), "--out", str(out)]
+    env = {**os.environ, STORAGE_ENV: storage}
     if tracking_uri:
-        cmd += ["--tracking-uri", tracking_uri]
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
     if not track:
         cmd.append("--no-tracking")
-    return cmd
+    return cmd, env
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of ``--budget``: a JSON object (its keys and values are checked by :func:`check_budget`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. {json.dumps(AttackBudget().to_dict())}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.search", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--storage", required=True, help="journal file path (one machine) or RDB URL, e.g. postgresql://u:p@host/db")
+    p.add_argument("--storage", default=os.environ.get(STORAGE_ENV),
+                   help=f"journal file path (one machine) or RDB URL, e.g. postgresql+psycopg://user@host/db; default "
+                        f"${STORAGE_ENV} (keeps a password out of `ps`; or put it in ~/.pgpass)")
     p.add_argument("--study", default="sipit-search")
     p.add_argument("--n-trials", type=int, default=30, help="target number of COMPLETE trials in the study")
-    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine (0: none)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine (>= 1)")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--create-only", action="store_true", help="create storage, study and MLflow parent run, then stop")
     steps.add_argument("--attach", action="store_true", help="only run workers against an existing study (no report)")
@@ -669,21 +1015,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--length", type=int, default=8)
     s.add_argument("--utility-tokens", type=int, default=128)
     s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
-    s.add_argument("--budget", type=json.loads, default=None, help=f"attack budget JSON, default {AttackBudget().to_dict()}")
+    s.add_argument("--budget", type=_json_object, default=None,
+                   help=f"attack budget JSON, default {AttackBudget().to_dict()}")
     s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")
     s.add_argument("--sigma-high", type=float, default=10.0)
     s.add_argument("--tying-method", default="rare", choices=("rare", "kmeans"))
-    t = p.add_argument_group("tracking and output")
-    t.add_argument("--tracking-uri", default=None, help="MLflow tracking URI, e.g. http://mlflow-host:5000")
+    t = p.add_argument_group("tracking, faults and output")
+    t.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                   help="MLflow tracking URI, e.g. http://127.0.0.1:5000 (default $MLFLOW_TRACKING_URI, else the "
+                        "repository's sqlite store)")
     t.add_argument("--experiment", default="sipit-search")
     t.add_argument("--no-tracking", dest="track", action="store_false")
     t.add_argument("--heartbeat-interval", type=int, default=5)
-    t.add_argument("--grace-period", type=int, default=30)
-    t.add_argument("--out", default=None, help="report folder (default results/search-<study>)")
+    t.add_argument("--grace-period", type=int, default=30, help="seconds without heartbeat before a trial is retried")
+    t.add_argument("--storage-wait", type=float, default=120.0,
+                   help="seconds a worker retries an unreachable storage (backoff) before it stops")
+    t.add_argument("--out", default=None, help="report and per-trial results folder (default "
+                                               f"{default_out_dir('search-<study>')})")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.tracking import TrackingError
+
     parser = build_parser()
     args = parser.parse_args(argv)
 
@@ -692,8 +1046,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run_search(**vars(args), log=log)
-    except SearchUsageError as err:
-        parser.error(str(err))
+    except (SearchUsageError, TrackingError) as err:
+        parser.error(redact(err))
+    except SearchAborted as err:
+        print(f"{parser.prog}: error: {redact(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:
+        print(f"{parser.prog}: {redact(err) or 'interrupted'}", file=sys.stderr)
+        return 130
     if result["report"] is not None:
         print(result["report"]["text"])
         print(f"report: {result['report']['out']}/report.md")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -90,8 +91,9 @@ def test_killed_worker_loses_nothing_and_study_resumes(tmp_path):
     run_search(storage, "kill", 4, create_only=True, tracking_uri=uri, log=quiet, **timing, **FAST)
     config = search.make_config(**{k: v for k, v in FAST.items()}, mode="constrained", seed=0, prompts="mixed",
                                 tying_method="rare", experiment="sipit-search")
-    cmd = search.worker_command(storage, "kill", 4, config, worker_index=0, tracking_uri=uri, track=True, **timing)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd, env = search.worker_process("kill", 4, config, worker_index=0, storage=storage, tracking_uri=uri, track=True,
+                                     storage_wait=30, out=tmp_path / "out", **timing)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -146,6 +148,9 @@ def test_pareto_mode_front_is_non_dominated(tmp_path):
     (dict(mode="grid"), "unknown mode"),
     (dict(attacks="oracle"), "unknown or no attack"),
     (dict(sigma_low=1.0, sigma_high=0.5), "--sigma-low"),
+    (dict(budget={"bogus": 1}), "--budget: unknown key"),
+    (dict(budget={"k_prior": 0}), "--budget values are integers >= 1"),
+    (dict(workers=0), "--workers must be an int >= 1"),
 ])
 def test_bad_inputs_give_clear_errors(tmp_path, change, message):
     with pytest.raises(SearchUsageError, match=message):
@@ -168,3 +173,115 @@ def test_cli_reports_bad_family_as_usage_error(tmp_path):
                           timeout=120)
     assert proc.returncode == 2
     assert "unknown defence family ['bogus']" in proc.stderr
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.search", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_bad_budget_is_refused_before_the_study_exists_so_the_name_stays_usable(tmp_path):
+    storage = str(tmp_path / "s.journal")
+    bad = _cli("--storage", storage, "--study", "typo", "--budget", '{"bogus":1}', "--create-only", "--no-tracking")
+    assert bad.returncode == 2 and "--budget: unknown key(s) ['bogus']" in bad.stderr and "Traceback" not in bad.stderr
+    assert not Path(storage).exists()
+    run_search(storage, "typo", 2, create_only=True, track=False, log=lambda *a, **k: None, **FAST)  # not refused
+
+
+def test_unreachable_tracking_server_is_one_error_within_seconds(tmp_path):
+    from services import free_port
+
+    started = time.monotonic()
+    proc = _cli("--storage", str(tmp_path / "s.journal"), "--tracking-uri", f"http://127.0.0.1:{free_port()}",
+                "--model", "tiny-llama")
+    assert time.monotonic() - started < 30  # it took 264 s of silent HTTP retries
+    assert proc.returncode == 2 and "no MLflow server answers" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "s.journal").exists()  # checked before the study was created
+
+
+def test_worker_gets_the_storage_through_its_environment_not_its_command_line():
+    url = "postgresql+psycopg://user:hunter2@db.example/optuna"
+    config = search.make_config(**FAST, mode="constrained", seed=0, prompts="mixed", tying_method="rare",
+                                experiment="e")
+    cmd, env = search.worker_process("s", 3, config, worker_index=1, storage=url, tracking_uri="http://u:pw@h:5000",
+                                     track=True, heartbeat_interval=1, grace_period=3, storage_wait=5, out=Path("o"))
+    assert "hunter2" not in " ".join(cmd) and "pw@" not in " ".join(cmd)  # `ps` shows the command line
+    assert env[search.STORAGE_ENV] == url and env["MLFLOW_TRACKING_URI"] == "http://u:pw@h:5000"
+    assert search.build_parser().parse_args(cmd[3:]).workers == 1
+
+
+def test_requeue_copies_parameters_once_and_nothing_else(tmp_path):
+    study = optuna.create_study(storage=search.open_storage(str(tmp_path / "q.journal")), study_name="q")
+    drawn = study.ask()
+    drawn.suggest_float("noise.sigma", 0.1, 1.0)
+    drawn.set_user_attr("mlflow_run_id", "run-of-the-dead-trial")
+    empty = study.ask()  # killed before it drew anything
+    for trial in (drawn, empty):
+        study.tell(trial, state=TrialState.FAIL)
+    frozen = study.get_trials(deepcopy=False)
+    assert search.requeue(study, frozen[0]) and not search.requeue(study, frozen[0])  # once
+    assert not search.requeue(study, frozen[1])  # nothing to redo: a fresh trial is the same
+    waiting = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
+    assert len(waiting) == 1 and waiting[0].params == frozen[0].params and waiting[0].user_attrs == {}
+    assert waiting[0].system_attrs["retry_history"] == [0]
+
+
+def test_rerun_draws_new_settings_instead_of_replaying_the_first_run(tmp_path):
+    """The rerun's sampler used the first run's seed, so it drew trial 0's setting again (re-used at 0.0 s)."""
+    storage = str(tmp_path / "r.journal")
+    run_search(storage, "rerun", 2, track=False, out=tmp_path / "o", log=lambda *a, **k: None, **FAST)
+    run_search(storage, "rerun", 4, track=False, out=tmp_path / "o", log=lambda *a, **k: None, **FAST)
+    complete = [t for t in _trials(storage, "rerun") if t.state == TrialState.COMPLETE]
+    assert len(complete) == 4
+    assert len({json.dumps(t.params, sort_keys=True) for t in complete}) == 4
+    assert not any("reused_from" in t.user_attrs for t in complete)
+
+
+def test_ctrl_c_stops_cleanly_requeues_the_running_trials_and_a_rerun_finishes(tmp_path):
+    storage, uri = str(tmp_path / "c.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    slow = {**FAST, "n_prompts": 2, "length": 8, "utility_tokens": 128}  # trials of a few seconds
+    flags = ["--storage", storage, "--study", "ctrlc", "--n-trials", "4", "--workers", "2", "--tracking-uri", uri,
+             "--heartbeat-interval", "1", "--grace-period", "3", "--out", str(tmp_path / "out")]
+    for key, value in slow.items():
+        flags += [f"--{key.replace('_', '-')}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    log = tmp_path / "search.log"
+    with log.open("w") as handle:  # its own session: the test plays the terminal that sends SIGINT to the group
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.search", *flags], cwd=REPO, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline:
+            if Path(storage).exists():
+                running = [t for t in _trials(storage, "ctrlc") if t.state == TrialState.RUNNING and "family" in t.user_attrs]
+                if len({t.user_attrs["worker"] for t in running}) == 2:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the two workers never ran a trial at the same time")
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=90) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Traceback" not in text and "interrupted" in text
+    trials = _trials(storage, "ctrlc")
+    interrupted = [t for t in trials if t.state == TrialState.FAIL]
+    assert interrupted and all(t.user_attrs.get("error", "KeyboardInterrupt").startswith("KeyboardInterrupt")
+                               for t in interrupted)
+    queued = {t.system_attrs["retry_history"][-1]: t for t in trials if t.state == TrialState.WAITING}
+    assert {t.number for t in interrupted} == set(queued)
+    assert all(queued[t.number].params == t.params for t in interrupted)
+    study = optuna.load_study(study_name="ctrlc", storage=search.open_storage(storage))
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(study.user_attrs[search.PARENT_ATTR]).info.status == "KILLED"
+    parent = client.get_run(study.user_attrs[search.PARENT_ATTR])
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert all(r.info.status == "KILLED" for r in children if int(r.data.tags["trial"]) in queued)
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in children)
+    rerun = run_search(storage, "ctrlc", 4, workers=1, tracking_uri=uri, out=tmp_path / "out", heartbeat_interval=1,
+                       grace_period=3, log=lambda *a, **k: None, **slow)
+    assert rerun["report"]["counts"]["COMPLETE"] == 4
+    redone = [t for t in _trials(storage, "ctrlc") if t.state == TrialState.COMPLETE and t.system_attrs.get("retry_history")]
+    assert {t.system_attrs["retry_history"][-1] for t in redone} == set(queued)
+    assert client.get_run(study.user_attrs[search.PARENT_ATTR]).info.status == "FINISHED"

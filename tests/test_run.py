@@ -61,7 +61,7 @@ def test_cli_end_to_end_noise_then_mlflow_reads_back(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--defense", "bogus"], "choose from none, noise, quant, tying, pooling"),
     (["--attacks", "sipit,magic"], "choose from sipit, softmax-head, bruteforce"),
-    (["--defense", "noise", "--sigma", "-0.1"], "--sigma must be a finite number >= 0"),
+    (["--defense", "noise", "--sigma", "-0.1"], "argument --sigma: must be a finite number >= 0"),
     (["--layer", "9"], "layer 9 out of range"),
 ])
 def test_bad_inputs_are_usage_errors(argv, message, tmp_path, capsys):
@@ -120,3 +120,45 @@ def test_ctrl_c_saves_partial_results_and_fails_the_mlflow_run(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("sigint").experiment_id])
     assert runs and all(r.info.status == "FAILED" for r in runs)
     assert {r.data.tags.get("mlflow.runName") for r in runs} >= {"bruteforce"}
+
+
+def test_two_ctrl_c_still_write_partial_results_and_fail_every_run(tmp_path):
+    """A second Ctrl-C 0.3 s after the first is ignored while the run cleans up; the message says
+    only what happened (before issue 17: empty out folder, parent RUNNING, message claiming both)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--model", "tiny-gpt2", "--attacks", "bruteforce",
+           "--n-prompts", "40", "--length", "8", "--utility-tokens", "0", "--margin-positions", "0", "--no-progress",
+           "--tracking-uri", uri, "--experiment", "sigint2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        if "[run] bruteforce prompt 1/40 done" in line or time.time() > deadline:
+            break
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    last = err.rstrip().splitlines()[-1]
+    assert last.startswith("interrupted: partial results written to") and "MLflow runs marked FAILED (2)" in last
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "interrupted" and results["attacks"]["bruteforce"]["n_prompts"] >= 1
+    assert (out / "per_position.csv").is_file()
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("sigint2").experiment_id])
+    assert len(runs) == 2 and all(r.info.status == "FAILED" for r in runs)
+
+
+def test_interrupt_before_the_run_starts_claims_nothing(monkeypatch, tmp_path, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("sipit.models.load_model", interrupted)
+    code = bench.main(SMALL + ["--no-tracking", "--out", str(tmp_path / "o")])
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "interrupted before the run started: nothing written, no MLflow run opened"
+    assert not (tmp_path / "o").exists()

@@ -303,21 +303,6 @@ def run_benchmark(
                   n_prompts=n_prompts, length=length, seed=seed, head_tokens=head_tokens, head_epochs=head_epochs,
                   margin_positions=margin_positions, utility_tokens=utility_tokens, experiment=experiment)
     chash = config_hash(config)
-    out_dir = Path(out) if out is not None else default_out_dir(f"run-{chash}")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise BenchmarkUsageError(f"--out {str(out_dir)!r} cannot be created: {err}") from None
-
-    # ---------------------------------------------------------------- tracking store
-    tracker, tracking_error = None, None
-    if track:
-        try:
-            tracker = tracking_mod.Tracker(tracking_uri, experiment)
-        except tracking_mod.TrackingError as err:
-            tracking_error = str(err)
-            log(f"error: {err}\n  -> continuing without MLflow; results are still written to {out_dir}", file=sys.stderr)
-
     # ---------------------------------------------------------------- model, layer, prompts
     try:
         loaded = load_model(model)
@@ -343,6 +328,22 @@ def run_benchmark(
     prompt_set = [p for p in prompt_set if p.ids]
     if not prompt_set:
         raise BenchmarkUsageError(f"--prompts {prompts!r}: no prompt has any token")
+
+    # ---------------------------------------------------------------- output folder
+    out_dir = Path(out) if out is not None else default_out_dir(f"run-{chash}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BenchmarkUsageError(f"--out {str(out_dir)!r} cannot be created: {err}") from None
+
+    # ---------------------------------------------------------------- tracking store
+    tracker, tracking_error = None, None
+    if track:
+        try:
+            tracker = tracking_mod.Tracker(tracking_uri, experiment)
+        except tracking_mod.TrackingError as err:
+            tracking_error = str(err)
+            log(f"error: {err}\n  -> continuing without MLflow; results are still written to {out_dir}", file=sys.stderr)
 
     title = (f"{loaded.name} layer {layer_r}/{clean_wb.n_layers} | defence {','.join(defense_names)} "
              f"{json.dumps(chain.params(), default=str)} | {len(prompt_set)} prompts x {length} tokens")

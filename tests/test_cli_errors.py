@@ -93,7 +93,8 @@ def test_bad_model_path_is_one_error_line(bad_models, which, message, capsys):
 
 
 def test_invert_max_tokens_keeps_exactly_n_tokens(capsys):
-    code = invert.main(["Hello world, this is a test.", "--model", "tiny-gpt2", "--max-tokens", "3"])
+    code = invert.main(["Hello world, this is a test.", "--model", "tiny-gpt2", "--max-tokens", "3",
+                        "--policy", "gradient"])
     out = capsys.readouterr().out
     assert code == 0 and "exact recovery: True" in out
     rows = [line.split()[0] for line in out.splitlines() if re.match(r"\s+\d+ ", line)]
@@ -128,7 +129,8 @@ def test_default_out_dir_is_the_repository_results_folder_wherever_the_command_r
 def test_noise_and_speed_write_to_the_default_out_dir_not_the_current_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(cli.RESULTS_ENV, str(tmp_path / "results"))
     monkeypatch.chdir(tmp_path)
-    assert speed.main(TINY + ["--n-prompts", "1", "--length", "2", "--layers", "1", "--bruteforce-positions", "1"]) == 0
+    assert speed.main(TINY + ["--n-prompts", "1", "--length", "2", "--layers", "1", "--bruteforce-positions", "1",
+                              "--policy", "gradient"]) == 0
     assert noise.main(TINY + ["--n-prompts", "1", "--length", "2", "--exact-prompts", "0", "--draws", "1",
                               "--sigmas", "0", "--decoders", "nn-heuristic"]) == 0
     assert (tmp_path / "results" / "speed" / "speed.json").is_file()

@@ -148,7 +148,7 @@ class LearnedPolicy:
     name = "learned"
     first_batch = 1
 
-    def __init__(self, head_config: HeadConfig | None = None, trust: int = 256, confident: float = 0.9,
+    def __init__(self, head_config: HeadConfig | None = None, trust: int = 256, confident: float = 0.5,
                  progress: bool = False) -> None:
         if trust < 1:
             raise ValueError(f"trust must be >= 1, got {trust}")

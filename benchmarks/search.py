@@ -1,9 +1,9 @@
 """Optuna search for the cheapest defence that makes the model non-invertible, over many workers.
 
     python -m benchmarks.search --storage search.journal --study demo --n-trials 30 --workers 2
-    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --create-only
-    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --attach --workers 4
-    python -m benchmarks.search --storage postgresql://user:pass@host/db --study s1 --report-only
+    SIPIT_SEARCH_STORAGE=postgresql+psycopg://user@host/db python -m benchmarks.search --study s1 --create-only
+    SIPIT_SEARCH_STORAGE=postgresql+psycopg://user@host/db python -m benchmarks.search --study s1 --attach --workers 4
+    SIPIT_SEARCH_STORAGE=postgresql+psycopg://user@host/db python -m benchmarks.search --study s1 --report-only
 
 Steps of the plain command (each also a flag on its own):
 
@@ -22,10 +22,14 @@ Storage: a path (``*.journal``/``*.log`` or ``journal:PATH``) is an Optuna Journ
 
 Crash safety: trials are written to the storage when they finish, so a killed worker loses no
 completed trial. A running trial carries a heartbeat; when it is older than ``--grace-period``
-seconds any worker marks the trial FAILED and re-queues its parameters
-(``RetryHeartbeatStaleTrialCallback``), so rerunning the command resumes the study to its target.
-RDBStorage has heartbeats built in; Optuna 5.1's JournalStorage does not, so
-:class:`HeartbeatJournalStorage` adds them (a ``heartbeat`` system attribute per running trial).
+seconds any worker marks the trial FAILED, marks its MLflow runs FAILED (found by tag, linked or
+not) and re-queues its parameters (:func:`requeue`), so rerunning the command resumes the study to
+its target. RDBStorage has heartbeats built in (:class:`ResilientRDBStorage` keeps them beating
+through a database outage); Optuna 5.1's JournalStorage does not, so ``HeartbeatJournalStorage``
+adds them. A storage outage is waited out (``--storage-wait``), an MLflow outage deferred
+(``benchmarks.search_runs``), Ctrl-C re-queues the running trials (exit 130), a dead worker
+process is named (exit 1). Secrets: the storage URL reaches worker processes through their
+environment (``$SIPIT_SEARCH_STORAGE``), and every message redacts passwords.
 
 Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= threshold, set with
 ``trial.set_constraint``; the value is copied to the user attribute ``constraint.recovery``) and
@@ -38,7 +42,6 @@ on scheduling.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import math
@@ -51,7 +54,7 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.cli import default_out_dir
+from benchmarks.cli import default_out_dir, interrupt_once, run_main
 from benchmarks.search_runs import TrialRuns, write_trial_file
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget, report_group
 from benchmarks.tracking import describe_error, redact
@@ -168,12 +171,17 @@ def requeue(study, trial, max_retry: int = MAX_RETRY) -> bool:
     history = [*trial.system_attrs.get("retry_history", []), trial.number]
     if not trial.params or len(history) > max_retry:
         return False
-    if any((t.system_attrs.get("retry_history") or [None])[-1] == trial.number for t in study.get_trials(deepcopy=False)):
+    if _requeued(study, trial.number):
         return False
     study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, params=trial.params,
                                               distributions=trial.distributions,
                                               system_attrs={"failed_trial": history[0], "retry_history": history}))
     return True
+
+
+def _requeued(study, number: int) -> bool:
+    """Has trial ``number`` been re-queued already (a trial whose retry history ends with it)?"""
+    return any((t.system_attrs.get("retry_history") or [None])[-1] == number for t in study.get_trials(deepcopy=False))
 
 
 def _stale_callback(runs_for):
@@ -587,29 +595,26 @@ def _abandon(study, current: dict, runs, status: str, reason: str) -> bool:
 
 
 def _interrupted(study, current: dict, runs, worker: int, log) -> SearchInterrupted:
-    """Ctrl-C in a worker: with further Ctrl-C held off, re-queue the running trial; the message says what happened."""
-    with _sigint_held():
-        trial = current.get("trial")
-        try:
-            queued = _abandon(study, current, runs, "KILLED", "interrupted (Ctrl-C)")
-        except Exception as err:  # noqa: BLE001 - the storage may be what we are interrupting
-            return SearchInterrupted(f"worker {worker} interrupted; trial {trial.number if trial else '-'} could not "
-                                     f"be re-queued ({describe_error(err)}): it goes stale and is retried after "
-                                     "--grace-period")
-        if trial is None:
-            return SearchInterrupted(f"worker {worker} interrupted between trials")
-        what = "re-queued for a rerun" if queued else "not re-queued (no parameters drawn yet)"
-        return SearchInterrupted(f"worker {worker} interrupted: trial {trial.number} marked FAIL and {what}")
-
-
-@contextlib.contextmanager
-def _sigint_held():
-    """SIGINT ignored inside (a second Ctrl-C does not break the clean-up); restored after."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C in a worker: re-queue the running trial; the message says what happened (and nothing more)."""
+    trial = current.get("trial")
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        queued = _abandon(study, current, runs, "KILLED", "interrupted (Ctrl-C)")
+    except Exception as err:  # noqa: BLE001 - the storage may be what we are interrupting
+        return SearchInterrupted(f"worker {worker} interrupted; trial {trial.number if trial else '-'} could not "
+                                 f"be re-queued ({describe_error(err)}): it goes stale and is retried after "
+                                 "--grace-period")
+    if trial is None:
+        return SearchInterrupted(f"worker {worker} interrupted between trials")
+    frozen = study._storage.get_trial(trial._trial_id)
+    if frozen.state.name != "FAIL":
+        return SearchInterrupted(f"worker {worker} interrupted after trial {trial.number} ended ({frozen.state.name})")
+    if queued or _requeued(study, trial.number):
+        what = "re-queued for a rerun"
+    elif not frozen.params:
+        what = "not re-queued (it had drawn no parameters: nothing to redo)"
+    else:
+        what = f"not re-queued (its setting was already retried {MAX_RETRY} times)"
+    return SearchInterrupted(f"worker {worker} interrupted: trial {trial.number} marked FAIL and {what}")
 
 
 def _reuse(study, trial) -> dict | None:
@@ -854,23 +859,26 @@ def run_search(
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
     if not create_only and not report_only:
-        try:
-            if workers == 1:
-                result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
-                                           track=track, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                           storage_wait=storage_wait, out=out_dir, log=log)
-            else:
-                run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
-                                     tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
-                                     grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
-        except KeyboardInterrupt as err:
-            message = str(err) or "interrupted"
-            raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) from None
-        except SearchAborted as err:
-            c = _counts(st)
-            message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same command "
-                       "to finish it and write the report")
-            raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) from None
+        with interrupt_once():  # a second Ctrl-C (or SIGTERM) cannot cut the clean-up short
+            try:
+                if workers == 1:
+                    result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
+                                               track=track, heartbeat_interval=heartbeat_interval,
+                                               grace_period=grace_period, storage_wait=storage_wait, out=out_dir, log=log)
+                else:
+                    run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
+                                         tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
+                                         grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
+            except KeyboardInterrupt as err:
+                message = str(err) if isinstance(err, SearchInterrupted) else f"interrupted ({err or 'SIGINT'})"
+                raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) \
+                    from None
+            except SearchAborted as err:
+                c = _counts(st)
+                message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same "
+                           "command to finish it and write the report")
+                raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) \
+                    from None
     result["counts"] = _counts(st)
     if not attach and not create_only:
         result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
@@ -897,13 +905,12 @@ def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, r
     parent = study.user_attrs.get(PARENT_ATTR) if track and not attach else None
     if parent is None:
         return ""
-    with _sigint_held():
-        try:
-            runs = study_runs(study, tracking_uri=tracking_uri, track=track)
-            runs.tracker.set_tag(parent, "failure", reason[:5000])
-            runs.tracker.client.set_terminated(parent, status=status)
-        except Exception as err:  # noqa: BLE001
-            return f" (the MLflow parent run could not be marked {status}: {describe_error(err)})"
+    try:
+        runs = study_runs(study, tracking_uri=tracking_uri, track=track)
+        runs.tracker.set_tag(parent, "failure", reason[:5000])
+        runs.tracker.client.set_terminated(parent, status=status)
+    except Exception as err:  # noqa: BLE001
+        return f" (the MLflow parent run could not be marked {status}: {describe_error(err)})"
     return f" (MLflow parent run marked {status})"
 
 
@@ -930,12 +937,11 @@ def run_worker_processes(storage: str, study: str, n_trials: int, config: dict, 
         procs.append(subprocess.Popen(cmd, env=env))
     try:
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        with _sigint_held():
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)
-            codes = [_wait_or_kill(p, timeout=60) for p in procs]
+    except KeyboardInterrupt:  # signals are held off here (run_search's interrupt_once)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        codes = [_wait_or_kill(p, timeout=60) for p in procs]
         stopped = sum(code == 130 for code in codes)
         raise SearchInterrupted(f"interrupted: {stopped} of {workers} workers stopped cleanly (each re-queued its "
                                 "running trial); rerun the same command to resume") from None
@@ -1036,23 +1042,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: exit 0 done, 2 bad input (one line, ``benchmarks.cli.run_main``), 1 aborted, 130 Ctrl-C."""
+    return run_main(build_parser(), _command, argv)
+
+
+def _command(args: argparse.Namespace) -> int:
     from benchmarks.tracking import TrackingError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    prog = "python -m benchmarks.search"
 
     def log(*items, **kwargs):
         print(*items, **kwargs, flush=True)
 
     try:
         result = run_search(**vars(args), log=log)
-    except (SearchUsageError, TrackingError) as err:
-        parser.error(redact(err))
+    except TrackingError as err:  # e.g. the stored tracking URI of a study this worker attaches to
+        raise SearchUsageError(str(err)) from None
     except SearchAborted as err:
-        print(f"{parser.prog}: error: {redact(err)}", file=sys.stderr)
+        print(f"{prog}: error: {redact(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        print(f"{parser.prog}: {redact(err) or 'interrupted'}", file=sys.stderr)
+        print(f"{prog}: {redact(err) or 'interrupted'}", file=sys.stderr)
         return 130
     if result["report"] is not None:
         print(result["report"]["text"])

@@ -63,7 +63,8 @@ class PostgresCluster:
 
     def __init__(self) -> None:
         self.bin = postgres_bin_dir()
-        self.root = Path(tempfile.mkdtemp(prefix="sipit-pg-"))
+        # /tmp, not $TMPDIR: the service user must be able to reach the folder (a TMPDIR under /root is not)
+        self.root = Path(tempfile.mkdtemp(prefix="sipit-pg-", dir="/tmp"))
         self.data = self.root / "data"
         self.port = free_port()
         shutil.chown(self.root, user=SERVICE_USER)
@@ -97,8 +98,15 @@ class PostgresCluster:
     def dsn(self, database: str) -> str:
         return f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{self.port}/{database}"
 
-    def url(self, database: str) -> str:
-        return f"postgresql+psycopg://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str, *, password: bool = True) -> str:
+        secret = f":{PG_PASSWORD}" if password else ""
+        return f"postgresql+psycopg://{PG_USER}{secret}@127.0.0.1:{self.port}/{database}"
+
+    def write_pgpass(self, path: Path) -> Path:
+        """A libpq password file (mode 600) for this cluster: URLs without the password then work."""
+        path.write_text(f"127.0.0.1:{self.port}:*:{PG_USER}:{PG_PASSWORD}\n")
+        path.chmod(0o600)
+        return path
 
     def destroy(self) -> None:
         try:

@@ -285,3 +285,21 @@ def test_ctrl_c_stops_cleanly_requeues_the_running_trials_and_a_rerun_finishes(t
     redone = [t for t in _trials(storage, "ctrlc") if t.state == TrialState.COMPLETE and t.system_attrs.get("retry_history")]
     assert {t.system_attrs["retry_history"][-1] for t in redone} == set(queued)
     assert client.get_run(study.user_attrs[search.PARENT_ATTR]).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1]", "a JSON object is needed"),
+    ("x", "not JSON"),
+])
+def test_budget_option_must_be_a_json_object(capsys, text, message):
+    with pytest.raises(SystemExit) as exit_info:
+        search.build_parser().parse_args(["--storage", "s.journal", "--budget", text])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_default_out_dir_is_used_without_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIPIT_RESULTS_DIR", str(tmp_path / "results"))
+    result = run_search(str(tmp_path / "d.journal"), "dflt", 1, track=False, log=lambda *a, **k: None, **FAST)
+    out = tmp_path / "results" / "search-dflt"
+    assert result["report"]["out"] == str(out) and (out / "report.md").is_file()
+    assert (out / "trials" / "trial-0000.json").is_file()  # each trial's result, beside Optuna's copy

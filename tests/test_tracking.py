@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from services import MlflowServer, free_port
 
 from benchmarks.run import run_benchmark
-from benchmarks.tracking import Tracker, TrackingError, default_tracking_uri, finite_metrics, flatten
+from benchmarks.tracking import Tracker, TrackingError, default_tracking_uri, finite_metrics, flatten, redact
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,12 +50,6 @@ def test_unwritable_store_raises_tracking_error(tmp_path):
         Tracker(f"sqlite:///{blocker / 'mlflow.db'}", "x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -69,26 +63,11 @@ def test_mlflow_server_serves_the_benchmark_run(tmp_path):
                             tracking_uri=uri, experiment="served", out=tmp_path / "out", progress=False,
                             log=lambda *a, **k: None)
     run_id = results["tracking"]["run_id"]
-    port = _free_port()
     # The command documented in mlflow/README.md (localhost only, one worker, no job runner).
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri,
-         "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    server = MlflowServer(uri, store / "artifacts", tmp_path / "server.log")
+    server.start(timeout=60)
+    base = server.uri
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"mlflow server did not come up: {server.stderr.read()[-2000:] if server.poll() is not None else 'timeout'}")
-                time.sleep(0.5)
         run = _get(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
         assert run["info"]["status"] == "FINISHED"
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
@@ -109,8 +88,47 @@ def test_mlflow_server_serves_the_benchmark_run(tmp_path):
         with urllib.request.urlopen(f"{base}/get-artifact?path=results.json&run_uuid={run_id}", timeout=10) as response:
             assert json.loads(response.read())["config_hash"] == results["config_hash"]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
+
+
+def test_redact_hides_passwords_in_any_url():
+    text = "postgresql+psycopg://ann:p%40ss:w@db:5432/optuna failed; see http://bob:pw@mlflow:5000/ and sqlite:///x.db"
+    assert redact(text) == ("postgresql+psycopg://ann:***@db:5432/optuna failed; see http://bob:***@mlflow:5000/ "
+                            "and sqlite:///x.db")
+    assert redact("postgresql://ann@db/optuna") == "postgresql://ann@db/optuna"  # no password: nothing to hide
+
+
+@pytest.mark.parametrize("make_uri, message", [
+    (lambda tmp: f"sqlite:///{tmp}", "is not a file"),
+    (lambda tmp: f"http://127.0.0.1:{free_port()}", "no MLflow server answers within 5s"),
+    (lambda tmp: f"postgresql+psycopg://ann:secret@127.0.0.1:{free_port()}/db", "Connection refused"),
+])
+def test_unusable_store_is_reported_within_seconds(tmp_path, make_uri, message):
+    started = time.monotonic()
+    with pytest.raises(TrackingError, match=message) as err:
+        Tracker(make_uri(tmp_path), "x")
+    assert time.monotonic() - started < 15  # an unreachable server took 264 s, an unusable sqlite path 119 s
+    assert "secret" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path):
+    """Ctrl-C while MLflow migrates a new sqlite store: the store is absent (or whole), and opens afterwards."""
+    db = tmp_path / "store" / "mlflow.db"
+    proc = subprocess.Popen([sys.executable, "-c", f"from benchmarks.tracking import Tracker; Tracker('sqlite:///{db}', 'x')"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(db.parent.glob(".mlflow.db.creating-*")):  # migrating now
+            assert proc.poll() is None and time.monotonic() < deadline, "the store was never being created"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    assert not db.exists() and not list(db.parent.glob(".mlflow.db.*"))
+    tracker = Tracker(f"sqlite:///{db}", "x")  # it used to fail forever: "index index_params_run_uuid already exists"
+    run_id = tracker.start_parent("p", {"a": 1}, {})
+    tracker.finish(run_id)
+    assert MlflowClient(tracking_uri=f"sqlite:///{db}").get_run(run_id).info.status == "FINISHED"

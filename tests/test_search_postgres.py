@@ -137,9 +137,12 @@ def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(post
     n = 6
     storage = postgres.create_database("optuna_dist")
     s = searches(tmp_path, storage, mlflow_server.uri, "dist", n)
+    # as README.md says: the password in a libpq password file, the URL without it in the environment
+    s.env.update(PGPASSFILE=str(postgres.write_pgpass(tmp_path / "pgpass")),
+                 **{search.STORAGE_ENV: postgres.url("optuna_dist", password=False)})
     code, out = s.run("--create-only")
     assert code == 0, out
-    assert "ready in postgresql+psycopg://sipit:***@127.0.0.1" in out and PG_PASSWORD not in out
+    assert "ready in postgresql+psycopg://sipit@127.0.0.1" in out and PG_PASSWORD not in out
     two = s.start("--attach", "--workers", "2")  # one machine with two workers
     one = s.start("--attach")  # another machine with one
     victim = wait_until(lambda: next((t for t in s.trials() if t.state == TrialState.RUNNING and "family" in t.user_attrs
@@ -180,7 +183,10 @@ def test_database_stopped_and_restarted_mid_study(postgres, searches, tmp_path):
     n = 5
     storage = postgres.create_database("optuna_outage")
     s = searches(tmp_path, storage, None, "outage", n)
-    run_search(storage, "outage", n, create_only=True, track=False, **QUIET, **TIMING, **FAST)
+    study_ready = []
+    run_search(storage, "outage", n, create_only=True, track=False, log=lambda *a, **k: study_ready.append(a[0]),
+               **TIMING, **FAST)
+    assert "ready in postgresql+psycopg://sipit:***@127.0.0.1" in study_ready[0]  # the password is redacted
     workers = [s.start("--attach", "--no-tracking", "--storage-wait", "60", "--out", str(tmp_path / "out"))
                for _ in range(2)]
     wait_until(lambda: any(t.state == TrialState.COMPLETE for t in s.trials()), 150, "a first complete trial")

@@ -134,7 +134,7 @@ def _assert_complete_once(trials, n_trials: int) -> None:
 
 
 def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(postgres, mlflow_server, searches, tmp_path):
-    n = 6
+    n = 8  # enough trials that one is still running in the two-worker command after the first completes
     storage = postgres.create_database("optuna_dist")
     s = searches(tmp_path, storage, mlflow_server.uri, "dist", n)
     # as README.md says: the password in a libpq password file, the URL without it in the environment
@@ -147,7 +147,7 @@ def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(post
     one = s.start("--attach")  # another machine with one
     victim = wait_until(lambda: next((t for t in s.trials() if t.state == TrialState.RUNNING and "family" in t.user_attrs
                                       and _pid(t) != one.pid and any(c.state == TrialState.COMPLETE for c in s.trials())),
-                                     None), 150, "a trial running in one of the two-worker command's workers")
+                                     None), 300, "a trial running in one of the two-worker command's workers")
     os.kill(_pid(victim), signal.SIGKILL)
     late = s.start("--attach")  # a new worker joins
     codes = dict(zip((two.pid, one.pid, late.pid), s.finish(timeout=240)[1:]))

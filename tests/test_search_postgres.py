@@ -64,8 +64,9 @@ def mlflow_server(postgres, tmp_path_factory):
 class Search:
     """``python -m benchmarks.search`` processes against one study, with their output kept in files."""
 
-    def __init__(self, tmp: Path, storage: str, tracking_uri: str | None, study: str, n_trials: int):
-        self.tmp, self.study, self.n_trials = tmp, study, n_trials
+    def __init__(self, tmp: Path, storage: str, tracking_uri: str | None, study: str, n_trials: int,
+                 options: dict = FAST):
+        self.tmp, self.study, self.n_trials, self.options = tmp, study, n_trials, options
         self.env = {**os.environ, search.STORAGE_ENV: storage}
         if tracking_uri:
             self.env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -76,7 +77,7 @@ class Search:
         log = self.tmp / f"cli-{len(self.procs)}.log"
         with log.open("w") as handle:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.search", "--study", self.study, "--n-trials",
-                                     str(self.n_trials), *args, *_flags({**FAST, **TIMING})],
+                                     str(self.n_trials), *args, *_flags({**self.options, **TIMING})],
                                     cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
         self.procs.append((proc, log))
         return proc
@@ -124,6 +125,27 @@ def _pid(trial) -> int:
     return int(trial.user_attrs["worker"].rsplit(":", 1)[1])
 
 
+def _stop_mid_trial(s: Search, exclude_pid: int):
+    """A trial RUNNING in a worker other than ``exclude_pid``, with that worker frozen (SIGSTOP) mid-trial.
+
+    Trials last about a second, shorter than a poll can be trusted to see: the worker is stopped first
+    and the trial read again; if it finished in between, the worker goes on (SIGCONT) and we look again.
+    """
+    def caught():
+        complete = sum(t.state == TrialState.COMPLETE for t in s.trials())
+        assert complete < s.n_trials, "every trial finished before a worker could be caught mid-trial"
+        if not complete:
+            return None
+        for t in s.trials():
+            if t.state == TrialState.RUNNING and "family" in t.user_attrs and _pid(t) != exclude_pid:
+                os.kill(_pid(t), signal.SIGSTOP)
+                if s.trials()[t.number].state == TrialState.RUNNING:
+                    return t
+                os.kill(_pid(t), signal.SIGCONT)
+        return None
+    return caught
+
+
 def _assert_complete_once(trials, n_trials: int) -> None:
     """Exactly ``n_trials`` COMPLETE; every FAIL trial that drew parameters retried once with those parameters."""
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -134,9 +156,10 @@ def _assert_complete_once(trials, n_trials: int) -> None:
 
 
 def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(postgres, mlflow_server, searches, tmp_path):
-    n = 8  # enough trials that one is still running in the two-worker command after the first completes
+    n = 10  # enough trials that one is still running in the two-worker command after the first completes
     storage = postgres.create_database("optuna_dist")
-    s = searches(tmp_path, storage, mlflow_server.uri, "dist", n)
+    # trials of about a second (4 prompts of 24 tokens), so a worker can be caught mid-trial
+    s = searches(tmp_path, storage, mlflow_server.uri, "dist", n, options={**FAST, "n_prompts": 4, "length": 24})
     # as README.md says: the password in a libpq password file, the URL without it in the environment
     s.env.update(PGPASSFILE=str(postgres.write_pgpass(tmp_path / "pgpass")),
                  **{search.STORAGE_ENV: postgres.url("optuna_dist", password=False)})
@@ -145,9 +168,8 @@ def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(post
     assert "ready in postgresql+psycopg://sipit@127.0.0.1" in out and PG_PASSWORD not in out
     two = s.start("--attach", "--workers", "2")  # one machine with two workers
     one = s.start("--attach")  # another machine with one
-    victim = wait_until(lambda: next((t for t in s.trials() if t.state == TrialState.RUNNING and "family" in t.user_attrs
-                                      and _pid(t) != one.pid and any(c.state == TrialState.COMPLETE for c in s.trials())),
-                                     None), 300, "a trial running in one of the two-worker command's workers")
+    victim = wait_until(_stop_mid_trial(s, one.pid), 300, "a trial running in one of the two-worker command's workers",
+                        interval=0.05)
     os.kill(_pid(victim), signal.SIGKILL)
     late = s.start("--attach")  # a new worker joins
     codes = dict(zip((two.pid, one.pid, late.pid), s.finish(timeout=240)[1:]))

@@ -1,6 +1,6 @@
 """The common interface of every defence: what it does to the served model and to what leaks.
 
-A defence acts in up to three places (ARCHITECTURE.md, "defenses/"):
+A defence acts in up to three places (docs/architecture.md, "Where a defence acts"):
 
 - :meth:`Defense.serve` — the model the provider runs (quantised weights, tied embeddings, noise
   injected inside the network). Returns a *new* :class:`LoadedModel` when it changes anything,

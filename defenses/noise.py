@@ -13,7 +13,7 @@ Placements (``placement``):
 Scale (``relative_to``): ``abs`` sigma is absolute; ``rms`` sigma is a multiple of the RMS of the
 noised state tensor (one sigma for the whole tensor, ``sqrt(mean(h^2))``, so the noise stays
 isotropic N(0, sigma^2 I) with ``||n|| ~ sigma * ||h||`` on average); ``delta`` sigma is a
-multiple of a given ``delta / 2`` (the robustness radius of PAPER.md).
+multiple of a given ``delta / 2`` (the robustness radius, docs/theory.md, "Margin and noise").
 
 Randomness: a ``torch.Generator`` seeded with ``seed`` (default, reproducible). ``secure=True``
 draws a fresh 64-bit seed from ``secrets`` (the OS CSPRNG) for every call, as opacus's

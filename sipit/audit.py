@@ -1,4 +1,4 @@
-"""Collision audit (PAPER.md, "Claim"): how close do distinct prompts' last-token states get?
+"""Collision audit (docs/theory.md, "Claim"): how close do distinct prompts' last-token states get?
 
 For a prompt set and a layer: the minimum pairwise L2 distance between last-token states
 Phi^l(s)_T of distinct prompts, and, for the ``pairs`` closest pairs (a, b), the minimum over every

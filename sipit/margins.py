@@ -1,4 +1,4 @@
-"""Exact per-step margins Delta_t over the full vocabulary (PAPER.md, "Margin and noise").
+"""Exact per-step margins Delta_t over the full vocabulary (docs/theory.md, "Margin and noise").
 
     Delta_t = min_{v != s_t} || mu_{p_t,v} - mu_{p_t,s_t} ||_2,   mu_{p,v} = Phi^l(p + v)_{|p|}
 

@@ -1,5 +1,5 @@
-"""The softmax classification-head baseline, and the prefix-aware prototype head (PAPER.md,
-"The classification-head baseline").
+"""The softmax classification-head baseline, and the prefix-aware prototype head (docs/theory.md,
+"Classification head").
 
 :class:`SoftmaxHead` is a learned inverter g(h) = W^T h + b: one affine map from a layer-l state
 h_t to logits over tokens, trained with cross-entropy on (h_t, s_t) pairs of an offline corpus

@@ -1,7 +1,7 @@
 """Candidate policies for SipIt: the order in which tokens are verified at one position.
 
 A policy only changes speed, never correctness: every candidate is verified exactly against the
-observed state, and the vocabulary is exhausted if needed (PAPER.md, "SipIt").
+observed state, and the vocabulary is exhausted if needed (docs/theory.md, "SipIt").
 
 - :class:`RandomPolicy` — a seeded random permutation of the vocabulary (= BruteForce).
 - :class:`GradientPolicy` — the paper's gradient-guided order: relax the token at position t to

@@ -1,4 +1,4 @@
-"""The adaptive attack on pooled exposure: beam search over prefixes (PAPER.md, "Pooling").
+"""The adaptive attack on pooled exposure: beam search over prefixes (docs/theory.md, "Pooling").
 
 SipIt needs one state per position; a pooled exposure (:class:`defenses.pooling.Pooling`) has
 only ``(1, P, D')`` pooled rows. The attacker knows the pooling and holds the model, so it

@@ -1,6 +1,6 @@
 """SipIt: exact left-to-right inversion of a prompt from its layer-l hidden states.
 
-PAPER.md, "SipIt". At step t the prefix p_t = (s_1..s_{t-1}) is already decoded. For candidate
+docs/theory.md, "SipIt". At step t the prefix p_t = (s_1..s_{t-1}) is already decoded. For candidate
 tokens v the attacker recomputes mu_{p_t,v} = Phi^l(p_t + v)_t and accepts v when
 
     ||mu_{p_t,v} - h~_t||_2 <= eps_t        (eps_t: sipit.tolerance.acceptance_radius)

@@ -1,7 +1,7 @@
 """Prompt sets: natural English prompts written for this project plus seeded random-token prompts.
 
 The default mix is 90% natural / 10% random tokens, as in the paper's SipIt evaluation
-(PAPER.md). Natural prompts live in ``benchmarks/data/natural.txt`` (one per line, ``\\n`` for a
+(docs/theory.md, "Reported numbers"). Natural prompts live in ``benchmarks/data/natural.txt`` (one per line, ``\\n`` for a
 line break inside code); each is tokenised and truncated to a fixed token count.
 """
 

@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(PY) -m benchmarks.run $(ARGS)
 
 speed: $(STAMP)
-	$(PY) -m benchmarks.speed $(ARGS)
+	$(PY) -m benchmarks.experiments.speed $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

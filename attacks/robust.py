@@ -8,14 +8,14 @@ radius used for ``PositionRecord.radius`` is ``sigma * sqrt(chi2.ppf(1 - alpha, 
 ``acceptance_radius(h~_t) / sqrt(d)`` (sipit.tolerance), so every decoder degrades to exact
 SipIt acceptance at sigma = 0.
 
-Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer) -> Inversion``):
+Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
 
 - :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t||. Stopping rules:
-  ``exact``: the whole vocabulary is scored (chunked, :func:`sipit.margins.distances_to_all`);
+  ``exact``: the whole vocabulary is scored (chunked, :func:`sipit.sweep.sweep_distances`);
   provably the nearest neighbour (no bound cheaper than a full scan is known to us).
   ``heuristic``: candidates in the policy's order (gradient + prior), in growing batches; stop as
   soon as the best so far lies inside the noise radius (or after ``max_candidates``). It can stop
-  on a wrong token that happens to lie inside the radius; benchmarks.noise measures how often.
+  on a wrong token that happens to lie inside the radius; benchmarks.experiments.noise measures how often.
   ``shortlist``: argmin over the shared shortlist (below), for a like-for-like comparison with
   MAP and beam.
 - :class:`MapDecoder` — argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), prior =
@@ -33,7 +33,7 @@ shortlist per position (:class:`CandidateScorer`): the prior's top ``k_prior`` t
 tokens a linear surrogate of Phi^l is fitted on, and the surrogate's nearest predictions
 (attacks.surrogate; re-fitted once around the target), widened while the nearest so far is
 implausible under the chi2 noise model. The true token can still fall outside it;
-benchmarks.noise measures how often. The first ``exact_positions`` (2) positions are scored over
+benchmarks.experiments.noise measures how often. The first ``exact_positions`` (2) positions are scored over
 the whole vocabulary from memoised tables (position 0's is prefix-free: paid once per layer).
 ``exact=True``
 scores the full vocabulary (T x V steps: cheap on tiny models only).
@@ -51,8 +51,9 @@ from scipy.stats import chi2
 
 from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
-from attacks.surrogate import LinearSurrogate, SurrogateFit, vocabulary_states
-from sipit.margins import distances_to_all
+from attacks.surrogate import LinearSurrogate, SurrogateFit
+from sipit.sweep import sweep_distances
+from sipit.vocab_table import vocabulary_states
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius, check_rel_tol
 from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
@@ -145,7 +146,7 @@ class CandidateScorer:
         fit rank with the latest fit of the same length (beam siblings differ in a token or two).
         """
         if self.exact:
-            dist = distances_to_all(whitebox, prefix, target, chunk=self.chunk)
+            dist = sweep_distances(whitebox, prefix, target, chunk=self.chunk)
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
         if prefix.length < self.exact_positions and (prefix.length == 0 or not borrow):
             # The first positions are scored over the whole vocabulary from memoised tables: the
@@ -277,9 +278,10 @@ class _Greedy:
         j = self.choose(scored, prior, sigma)
         return int(scored.candidates[j]), float(scored.distances[j]), int(scored.candidates.numel())
 
-    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None) -> Inversion:
+    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
+               length: int | None = None) -> Inversion:
         layer = whitebox.resolve_layer(layer)
-        observed = whitebox.check_states(observed)
+        observed = whitebox.check_states(observed, length)
         sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
         prior = NextTokenPrior(whitebox.model) if self.uses_prior else None
         prefix = whitebox.prefix_cache([], layer)
@@ -431,9 +433,10 @@ class BeamSipIt:
                 prior.push(p.token)
         return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior)
 
-    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None) -> Inversion:
+    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
+               length: int | None = None) -> Inversion:
         layer = whitebox.resolve_layer(layer)
-        observed = whitebox.check_states(observed)
+        observed = whitebox.check_states(observed, length)
         T = observed.shape[0]
         sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
         radii = [chi2_radius(s, whitebox.d, self.alpha) for s in sigmas]

@@ -67,10 +67,11 @@ class SipIt:
     def name(self) -> str:
         return f"sipit-{self.policy.name}"
 
-    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None) -> Inversion:
-        """Decode the token ids whose layer-``layer`` states are ``observed`` ``(T, d)``."""
+    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
+               length: int | None = None) -> Inversion:
+        """Decode the token ids whose layer-``layer`` states are ``observed`` ``(T, d)`` (``T == length`` if given)."""
         layer = whitebox.resolve_layer(layer)
-        observed = whitebox.check_states(observed)
+        observed = whitebox.check_states(observed, length)
         radii = acceptance_radius(observed, self.rel_tol)
         setup = self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer): not timed below
         generator = torch.Generator().manual_seed(self.seed)

@@ -3,28 +3,24 @@
     python -m benchmarks.run --defense noise --sigma 0.1
     python -m benchmarks.run --defense none
     python -m benchmarks.run --model tiny-gpt2 --defense quant,noise --quant int8 --sigma-rel 0.05
+    python -m benchmarks.run --defense quant:weights=nf4 --defense noise:sigma=0.5,placement=exposure
 
 One run: load the model, apply the defence (served model + exposure), expose the layer-l states
 of every evaluation prompt, then invert them with each attack and compare with the truth.
 Prints a comparison table, writes ``results.json`` (plus CSVs and plots) to ``--out`` and logs
-one parent MLflow run with one nested run per attack (benchmarks.tracking). Every option is an
-argument of :func:`run_benchmark`, which the CLI calls.
+one parent MLflow run with one nested run per attack (benchmarks.tracking). The options form a
+:class:`benchmarks.config.RunConfig` (defence specs, attacks, sizes, seeds, output), which the CLI
+builds and :func:`run_benchmark` runs; the measurement itself goes through benchmarks.pipeline
+(expose -> attack -> metrics), as the search's trials do.
 
 Attacks (``--attacks``, comma list):
 
-- ``sipit``: the strongest SipIt form that knows the defence. Exact exposure: exact SipIt
-  (gradient policy + prior). Gaussian noise (sigma > 0): a noise-robust decoder given the
-  defence's absolute sigma: ``--robust radius`` (default) = attacks.robust.NearestNeighbour with
-  the heuristic stop, i.e. SipIt's own loop (gradient + prior order, growing batches) accepting
-  the first token within the chi^2 noise radius sigma*sqrt(chi2_d(1-alpha)), the nearest token
-  after exhausting the vocabulary; ``map``: MapDecoder; ``beam``: BeamSipIt; ``shortlist``:
-  nearest neighbour on MAP's shortlist (attacks.robust.CandidateScorer: positions 0-1 over the
-  full vocabulary, then the prior's top 32 and a linear-surrogate ranking; docs/noise.md). The
-  radius decoder stays the default: at sigma = 0.1 it is exact in practice and the surrogate
-  shortlist costs ~1536 extra steps per position. Inexact but noise-free exposure (quantised
-  activations): nearest neighbour on the cheap gradient shortlist (prior top-32 + one gradient
-  round). Pooled exposure:
-  defenses.pooled_attack.PooledBeamAttack.
+- ``sipit``: the strongest SipIt form that knows the defence, chosen by attacks.registry
+  (``strongest``): exact SipIt on exact exposure; under Gaussian noise the ``--robust`` decoder
+  given the defence's absolute sigma (``radius``, the default: SipIt's own loop accepting the first
+  token within the chi^2 noise radius, the nearest after exhausting the vocabulary; ``map``;
+  ``beam``; ``shortlist``; docs/noise.md); nearest neighbour on the gradient shortlist for inexact
+  noise-free states (quantised activations); the pooled beam search on pooled exposure.
 - ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
   (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
   ``softmax-head-adaptive`` trained on states passed through the defence's exposure.
@@ -51,15 +47,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
+from benchmarks.config import MINIMUMS, RunConfig
 from benchmarks.cli import UsageError, arg, check_float, check_int, check_names, default_out_dir, interrupt_once, run_main
 
-ATTACKS = ("sipit", "softmax-head", "bruteforce")
-EXACT_ATTACKS = ("sipit", "bruteforce")  # on exact exposure their "verified" flags mean what layer_hint assumes
-ROBUST = ("radius", "map", "beam", "shortlist")
-DEFAULTS = dict(n_prompts=4, length=12, head_tokens=4096, head_epochs=40, margin_positions=1, utility_tokens=1024)
-#: the smallest value of each integer option (flag -> minimum), checked by the CLI and run_benchmark alike
-MINIMUMS = {"--n-prompts": 1, "--length": 1, "--head-tokens": 64, "--head-epochs": 1, "--beam-width": 1,
-            "--utility-tokens": 0, "--margin-positions": -1}
+ATTACKS = RUN_ATTACKS
+DEFAULTS = RunConfig()
 
 BenchmarkUsageError = UsageError  # the name callers of run_benchmark know
 
@@ -75,91 +68,6 @@ class _State:
     results: dict
     rows: list[dict] = field(default_factory=list)  # per-position
     prompt_rows: list[dict] = field(default_factory=list)  # per-prompt
-
-
-# --------------------------------------------------------------------------- option handling
-def defense_params(names: list[str], *, sigma, sigma_rel, placement, quant, quant_activations, tie_groups,
-                   tie_rare, pool, pool_window, pool_dims, seed) -> dict:
-    """CLI options -> keyword parameters of the registered defences (validated by them)."""
-    params: dict = {}
-    if sigma is not None and sigma_rel is not None:
-        raise BenchmarkUsageError("give either --sigma (absolute) or --sigma-rel (relative to the state RMS), not both")
-    if sigma is not None:
-        params.update(sigma=check_float(sigma, low=0.0, name="--sigma"), relative_to="abs")
-    if sigma_rel is not None:
-        params.update(sigma=check_float(sigma_rel, low=0.0, name="--sigma-rel"), relative_to="rms")
-    if placement is not None:
-        params["placement"] = placement
-    if "noise" in names:
-        params["seed"] = seed
-    if quant is not None:
-        params["weights"] = quant
-    if quant_activations is not None:
-        params["activations"] = quant_activations
-    if tie_groups is not None:
-        params["groups"] = tie_groups
-    if tie_rare is not None:
-        params["rare"] = tie_rare
-    if pool is not None:
-        params["mode"] = pool
-    if pool_window is not None:
-        params.update(over="window", k=pool_window)
-    if pool_dims is not None:
-        params.update(over="dims", g=pool_dims)
-    return params
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _members(defense) -> list:
-    return list(getattr(defense, "members", [defense]))
-
-
-def _exposure_fn(defense):
-    """States -> what the attacker sees, for training the adaptive head on corpus states.
-
-    Noise placed inside the model is added directly (its layer-l states are the noisy ones)."""
-
-    def apply(states: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        for member in _members(defense):
-            if getattr(member, "placement", "exposure") == "model" and hasattr(member, "add_noise"):
-                states = member.add_noise(states, generator)
-            else:
-                states = member.expose(states, generator)
-        return states
-
-    return apply
-
-
-# --------------------------------------------------------------------------- attacks
-def sipit_attack(defense, sigma: float, exact_exposure: bool, *, robust: str, beam_width: int, seed: int):
-    """The strongest SipIt form that knows ``defense`` (see the module docstring)."""
-    from attacks.policies import GradientPolicy
-    from attacks.robust import GRADIENT_SHORTLIST, BeamSipIt, MapDecoder, NearestNeighbour
-    from attacks.sipit import SipIt
-
-    if not defense.per_position:
-        from defenses.pooled_attack import PooledBeamAttack
-
-        return PooledBeamAttack(_members(defense)[-1])
-    if sigma > 0:
-        if robust == "beam":
-            return BeamSipIt(sigma, width=beam_width)
-        if robust == "shortlist":
-            return NearestNeighbour(stop="shortlist", sigma=sigma)
-        if robust == "map":
-            return MapDecoder(sigma)
-        return NearestNeighbour(stop="heuristic", sigma=sigma)
-    if not exact_exposure:
-        # near-exact states: the cheap gradient shortlist suffices (defenses: measured in issue 3)
-        return NearestNeighbour(stop="shortlist", **GRADIENT_SHORTLIST)
-    return SipIt(GradientPolicy(), seed=seed)
-
-
-def _decoder_name(attack) -> str:
-    return f"{type(attack).__name__}({getattr(attack, 'name', '')})"
 
 
 # --------------------------------------------------------------------------- outputs
@@ -225,40 +133,9 @@ def format_table(results: dict) -> str:
 
 
 # --------------------------------------------------------------------------- the run
-def run_benchmark(
-    model: str | None = None,
-    layer: int = -1,
-    defense: list[str] | str | None = "none",
-    sigma: float | None = None,
-    sigma_rel: float | None = None,
-    placement: str | None = None,
-    quant: str | None = None,
-    quant_activations: str | None = None,
-    tie_groups: int | None = None,
-    tie_rare: int | None = None,
-    pool: str | None = None,
-    pool_window: int | None = None,
-    pool_dims: int | None = None,
-    attacks: list[str] | str = "sipit,softmax-head",
-    robust: str = "radius",
-    beam_width: int = 4,
-    knows_defense: bool = True,
-    prompts: str = "mixed",
-    n_prompts: int = DEFAULTS["n_prompts"],
-    length: int = DEFAULTS["length"],
-    seed: int = 0,
-    head_tokens: int = DEFAULTS["head_tokens"],
-    head_epochs: int = DEFAULTS["head_epochs"],
-    margin_positions: int = DEFAULTS["margin_positions"],
-    utility_tokens: int = DEFAULTS["utility_tokens"],
-    tracking_uri: str | None = None,
-    experiment: str = "sipit-bench",
-    track: bool = True,
-    out: str | Path | None = None,
-    progress: bool = True,
-    log=print,
-) -> dict:
-    """Run the benchmark; return the results dict (also written to ``out``/results.json).
+def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log=print, **options) -> dict:
+    """Run the benchmark ``config`` (or ``RunConfig.from_options(**options)``); return the results dict
+    (also written to ``config.out``/results.json).
 
     Raises :class:`BenchmarkUsageError` for bad options before any heavy work. On Ctrl-C (or
     SIGTERM) once the run has started, further Ctrl-C are ignored while the partial results are
@@ -266,43 +143,21 @@ def run_benchmark(
     :class:`RunInterrupted` (a KeyboardInterrupt) propagates, saying what the cleanup did.
     """
     from benchmarks import tracking as tracking_mod
-    from benchmarks.prompts import PROMPT_SETS, named_prompt_set, read_texts
+    from benchmarks.prompts import named_prompt_set
     from defenses.base import DefenseParamError
-    from defenses.registry import DEFENSES, make_chain
-    from sipit.models import DEFAULT_MODEL, load_model
+    from sipit.models import load_model
     from sipit.whitebox import SipitInputError, WhiteBox
 
     started = time.perf_counter()
-    model = model or DEFAULT_MODEL
-    # ---------------------------------------------------------------- validate (cheap) first
-    defense_names = check_names(defense if defense is not None else "none", tuple(DEFENSES), name="--defense")
-    if len(defense_names) > 1:
-        defense_names = [n for n in defense_names if n != "none"]
-    attack_names = check_names(attacks, ATTACKS, name="--attacks")
-    check_names(robust, ROBUST, name="--robust")
-    for value, flag in ((n_prompts, "--n-prompts"), (length, "--length"), (head_tokens, "--head-tokens"),
-                        (head_epochs, "--head-epochs"), (beam_width, "--beam-width"),
-                        (utility_tokens, "--utility-tokens"), (margin_positions, "--margin-positions")):
-        check_int(value, low=MINIMUMS[flag], name=flag)
-    if prompts not in PROMPT_SETS:
-        try:
-            read_texts(prompts)
-        except (FileNotFoundError, ValueError) as err:
-            raise BenchmarkUsageError(f"--prompts {prompts!r}: {err} (or use a set name: {', '.join(PROMPT_SETS)})") from None
-    params = defense_params(defense_names, sigma=sigma, sigma_rel=sigma_rel, placement=placement, quant=quant,
-                            quant_activations=quant_activations, tie_groups=tie_groups, tie_rare=tie_rare, pool=pool,
-                            pool_window=pool_window, pool_dims=pool_dims, seed=seed + 1)
-    try:
-        chain = make_chain(defense_names, **params)
-    except DefenseParamError as err:
-        raise BenchmarkUsageError(f"--defense {','.join(defense_names)}: {err}") from None
-    seeds = {"prompts": seed, "noise": seed + 1, "head": seed + 2, "attack": seed, "margin_positions": seed + 3,
-             "utility": seed}
-    config = dict(model=model, layer=layer, defense=defense_names, defense_params=chain.params(), attacks=attack_names,
-                  robust=robust, beam_width=beam_width, knows_defense=knows_defense, prompts=prompts,
-                  n_prompts=n_prompts, length=length, seed=seed, head_tokens=head_tokens, head_epochs=head_epochs,
-                  margin_positions=margin_positions, utility_tokens=utility_tokens, experiment=experiment)
-    chash = config_hash(config)
+    if config is None:
+        config = RunConfig.from_options(**options)
+    elif options:
+        raise BenchmarkUsageError(f"give either a RunConfig or options, not both (got {sorted(options)})")
+    config.validate()  # cheap checks first
+    c = config
+    chain, defense_names, attack_names, seeds = c.chain(), c.defense_names(), list(c.attacks), c.seeds
+    model, layer, length, prompts = c.model, c.layer, c.length, c.prompts
+    recorded, chash = c.record(), c.hash()
     # ---------------------------------------------------------------- model, layer, prompts
     try:
         loaded = load_model(model)
@@ -322,7 +177,7 @@ def run_benchmark(
     except DefenseParamError as err:
         raise BenchmarkUsageError(f"--defense {','.join(defense_names)}: {err}") from None
     try:
-        prompt_set = named_prompt_set(prompts, loaded.tokenizer, n_prompts, length=length, seed=seeds["prompts"])
+        prompt_set = named_prompt_set(prompts, loaded.tokenizer, c.n_prompts, length=length, seed=seeds["prompts"])
     except ValueError as err:
         raise BenchmarkUsageError(f"--prompts {prompts!r}: {err}") from None
     prompt_set = [p for p in prompt_set if p.ids]
@@ -330,7 +185,7 @@ def run_benchmark(
         raise BenchmarkUsageError(f"--prompts {prompts!r}: no prompt has any token")
 
     # ---------------------------------------------------------------- output folder
-    out_dir = Path(out) if out is not None else default_out_dir(f"run-{chash}")
+    out_dir = Path(c.out) if c.out is not None else default_out_dir(f"run-{chash}")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -338,9 +193,9 @@ def run_benchmark(
 
     # ---------------------------------------------------------------- tracking store
     tracker, tracking_error = None, None
-    if track:
+    if c.track:
         try:
-            tracker = tracking_mod.Tracker(tracking_uri, experiment)
+            tracker = tracking_mod.Tracker(c.tracking_uri, c.experiment)
         except tracking_mod.TrackingError as err:
             tracking_error = str(err)
             log(f"error: {err}\n  -> continuing without MLflow; results are still written to {out_dir}", file=sys.stderr)
@@ -348,24 +203,21 @@ def run_benchmark(
     title = (f"{loaded.name} layer {layer_r}/{clean_wb.n_layers} | defence {','.join(defense_names)} "
              f"{json.dumps(chain.params(), default=str)} | {len(prompt_set)} prompts x {length} tokens")
     results: dict = {
-        "status": "running", "title": title, "config": config, "config_hash": chash, "seeds": seeds,
+        "status": "running", "title": title, "config": recorded, "config_hash": chash, "seeds": seeds,
         "git_commit": tracking_mod.git_commit(), "packages": tracking_mod.package_versions(),
         "model": {"name": loaded.name, "n_layers": clean_wb.n_layers, "d": clean_wb.d,
                   "vocab_size": clean_wb.vocab_size, "layer": layer_r},
         "defense": {"names": defense_names, "params": chain.params(), "describe": chain.describe(),
                     "per_position": chain.per_position},
         "attacks": {}, "heads": {}, "prompts": [], "margins": {}, "utility": {},
-        "tracking": {"uri": tracker.uri if tracker else tracking_uri, "error": tracking_error, "run_id": None},
+        "tracking": {"uri": tracker.uri if tracker else c.tracking_uri, "error": tracking_error, "run_id": None},
         "out": str(out_dir),
     }
     state = _State(results)
     with interrupt_once():
         try:
             tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log)
-            _run(state, tracker, loaded, clean_wb, layer_r, chain, prompt_set, attack_names, seeds,
-                 robust=robust, beam_width=beam_width, knows_defense=knows_defense, head_tokens=head_tokens,
-                 head_epochs=head_epochs, margin_positions=margin_positions, utility_tokens=utility_tokens,
-                 progress=progress, log=log)
+            _run(state, tracker, c, loaded, clean_wb, layer_r, chain, prompt_set, progress=progress, log=log)
             results["status"] = "finished"
             results["seconds"] = time.perf_counter() - started
             _finish(state, tracker, out_dir, log)
@@ -464,69 +316,20 @@ def _flat_metrics(results: dict) -> dict:
     return metrics
 
 
-def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set, attack_names, seeds, *,
-         robust, beam_width, knows_defense, head_tokens, head_epochs, margin_positions, utility_tokens, progress, log):
-    from attacks.head import train_head
-    from attacks.policies import RandomPolicy
-    from attacks.result import layer_hint
-    from attacks.sipit import SipIt
-    from benchmarks.corpus import corpus_states, corpus_windows, overlap_with
-    from benchmarks.metrics import median, summarise
-    from sipit.margins import distances_to_all
-    from sipit.whitebox import WhiteBox
+def _run(state: _State, tracker, config: RunConfig, loaded, clean_wb, layer: int, chain, prompt_set, *, progress, log):
+    """expose -> margins -> utility -> attacks (benchmarks.pipeline), recorded into ``state`` and MLflow."""
+    from benchmarks.metrics import median
+    from benchmarks.pipeline import expose
 
     results = state.results
-    served = chain.serve(loaded, layer)
-    attacker = chain.attacker_model(loaded, layer, knows_defense)
-    served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
-    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model)
     truths = [p.ids for p in prompt_set]
-
-    # ---------------------------------------------------------------- exposures
-    generator = torch.Generator().manual_seed(seeds["noise"])
-    exposures, true_states, sigmas, noise_norms, exact_flags = [], [], [], [], []
-    for ids in tqdm(truths, desc="expose states", disable=not progress, leave=False):
-        h_served = served_wb.states(ids, layer)
-        exposed = chain.expose(h_served, generator)
-        exposures.append(exposed)
-        sigmas.append(float(chain.noise_sigma(h_served)))
-        if chain.per_position:
-            h_true = attacker_wb.states(ids, layer)  # mu_{p_t, s_t} as the attacker computes it
-            true_states.append(h_true)
-            noise_norms.append((exposed.float() - h_true.float()).norm(dim=-1).tolist())
-            exact_flags.append(bool(torch.equal(exposed, h_true)))
-        else:
-            noise_norms.append([None] * len(ids))
-            exact_flags.append(False)
-    all_norms = [n for row in noise_norms for n in row if n is not None]
-    results["defense"]["sigma_abs_median"] = median(sigmas)
-    results["defense"]["exposure_exact"] = all(exact_flags)
-
-    # ---------------------------------------------------------------- margins on a subset
-    margin_started = time.perf_counter()
-    pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
-    if margin_positions != -1 and chain.per_position:
-        pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seeds["margin_positions"]))
-        pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
-    elif not chain.per_position:
-        pairs = []
-    deltas: dict[tuple[int, int], float] = {}
-    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
-        ids = torch.tensor(truths[i])
-        prefix = attacker_wb.prefix_cache(ids[:t], layer)
-        mu_true = attacker_wb.step(prefix, ids[t : t + 1]).states[0]
-        dist = distances_to_all(attacker_wb, prefix, mu_true)
-        dist[int(ids[t])] = float("inf")
-        deltas[(i, t)] = float(dist.min())
-    results["margins"] = {
-        "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
-        "median_half_delta": median([d / 2 for d in deltas.values()]),
-        "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
-        "noise_norms_all": all_norms, "seconds": time.perf_counter() - margin_started,
-        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
-    }
-
-    # ---------------------------------------------------------------- utility cost
+    seeds, utility_tokens, attack_names = config.seeds, config.utility_tokens, list(config.attacks)
+    exposed = expose(chain, loaded, clean_wb, layer, truths, seed=seeds["noise"], knows_defense=config.knows_defense,
+                     progress=progress)
+    all_norms = [n for row in exposed.noise_norms for n in row if n is not None]
+    results["defense"]["sigma_abs_median"] = median(exposed.sigmas)
+    results["defense"]["exposure_exact"] = all(exposed.exact)
+    results["margins"] = _margins(exposed, config.margin_positions, seeds["margin_positions"], all_norms, progress)
     if utility_tokens:
         from defenses.utility import held_out_ids, utility_cost
 
@@ -537,96 +340,20 @@ def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set
             n_util = 512
         log(f"[run] utility cost of the defence on {n_util} held-out tokens", file=sys.stderr)
         results["utility"] = utility_cost(loaded, chain, layer, n_tokens=n_util, seed=seeds["utility"]).to_dict()
-
     if tracker is not None:
         tracker.log_metrics(tracker.parent_id, _flat_metrics(results))
-
-    # ---------------------------------------------------------------- attacks
-    plan: list[tuple[str, str]] = []  # (result name, kind)
-    for name in attack_names:
-        if name == "softmax-head":
-            plan.append(("softmax-head", "head-clean"))
-            if chain.name != "none":
-                plan.append(("softmax-head-adaptive", "head-adaptive"))
-        else:
-            plan.append((name, name))
-    corpus = None
+    plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
+    if "softmax-head" in attack_names and chain.name != "none":
+        plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
+    options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"])
     for result_name, kind in plan:
         log(f"[run] attack {result_name} started", file=sys.stderr)
-        child = None
-        summary: dict = {}
         if kind.startswith("head") and not chain.per_position:
             results["attacks"][result_name] = {"skipped": "pooled exposure has no per-position states",
                                                "decoder": "SoftmaxHead"}
             continue
-        if kind.startswith("head"):
-            if corpus is None:
-                corpus = corpus_states(attacker, attacker_wb, layer, n_tokens=head_tokens, progress=progress)
-                results["head_corpus"] = {
-                    "source": "pydoc_data.topics", "n_tokens": len(corpus), "cache_key": corpus.key,
-                    "loaded_from_cache": corpus.cached,
-                    "overlap_8gram_with_prompts": overlap_with(corpus_windows(loaded.tokenizer, head_tokens), truths),
-                }
-            variant = "clean" if kind == "head-clean" else "adaptive"
-            head, report = train_head(
-                corpus.states, corpus.ids, vocab_size=attacker_wb.vocab_size, windows=corpus.windows,
-                epochs=head_epochs, seed=seeds["head"], variant=variant,
-                augment=_exposure_fn(chain) if variant == "adaptive" else None, progress=progress)
-            info = report.to_dict()
-            info["coverage"] = head.coverage(truths)
-            results["heads"][variant] = info
-            make = lambda i: head  # noqa: E731
-            decoder = f"SoftmaxHead({variant})"
-        elif kind == "bruteforce":
-            make = lambda i: SipIt(RandomPolicy(), use_prior=False, seed=seeds["attack"])  # noqa: E731
-            decoder = "SipIt(random order)"
-        else:
-            def make(i):
-                return sipit_attack(chain, sigmas[i], exact_flags[i], robust=robust, beam_width=beam_width,
-                                    seed=seeds["attack"])
-            decoder = _decoder_name(make(0))
-        summary["decoder"] = decoder
-        if tracker is not None:
-            child = tracker.start_child(result_name, {"attack": result_name, "decoder": decoder,
-                                                      "config_hash": results["config_hash"],
-                                                      **({"head": results["heads"][variant]} if kind.startswith("head") else {})})
-        inversions = []
-        results["attacks"][result_name] = summary
-        for i, ids in enumerate(tqdm(truths, desc=result_name, disable=not progress)):
-            attack = make(i)
-            if chain.per_position:
-                inv = attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer)
-            else:
-                inv = attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer, length=len(ids))
-            inversions.append(inv)
-            for t, truth_tok in enumerate(ids):
-                rec = inv.positions[t] if t < len(inv.positions) else None
-                got = inv.ids[t] if t < len(inv.ids) else None
-                delta = deltas.get((i, t))
-                norm = noise_norms[i][t]
-                state.rows.append({
-                    "attack": result_name, "prompt": i, "position": t, "true_token": truth_tok,
-                    "recovered_token": got, "correct": int(got == truth_tok), "delta": delta, "noise_norm": norm,
-                    "ratio": (norm / (delta / 2)) if (delta and norm is not None) else None,
-                    "candidates_tried": rec.candidates_tried if rec else None,
-                    "distance": rec.distance if rec else None, "seconds": rec.seconds if rec else None,
-                })
-            state.prompt_rows.append({
-                "attack": result_name, "prompt": i, "kind": prompt_set[i].kind, "exact": int(inv.ids == ids),
-                "token_accuracy": sum(a == b for a, b in zip(inv.ids, ids)) / len(ids),
-                "truth_text": loaded.tokenizer.decode(ids), "recovered_text": inv.text,
-            })
-            summary.update(summarise(result_name, truths[: i + 1], inversions).to_dict())
-            if not progress:
-                log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
-        hint = layer_hint(inversions, layer) if kind in EXACT_ATTACKS and all(exact_flags) else None
-        if hint:
-            summary["hint"] = hint
-            log(f"[run] {result_name}: hint: {hint}", file=sys.stderr)
-        if child is not None:
-            tracker.log_metrics(child, {k: v for k, v in summary.items() if k not in ("attack", "decoder")})
-            tracker.finish(child)
-
+        _attack(state, tracker, exposed, prompt_set, result_name, kind, options, seeds, loaded.tokenizer,
+                head_tokens=config.head_tokens, head_epochs=config.head_epochs, progress=progress, log=log)
     results["prompts"] = [
         {"index": i, "kind": p.kind, "truth_ids": p.ids, "truth_text": loaded.tokenizer.decode(p.ids),
          "recovered": {r["attack"]: r["recovered_text"] for r in state.prompt_rows if r["prompt"] == i}}
@@ -634,10 +361,111 @@ def _run(state: _State, tracker, loaded, clean_wb, layer: int, chain, prompt_set
     ]
 
 
+def _margins(exposed, margin_positions: int, seed: int, all_norms: list[float], progress: bool) -> dict:
+    """Delta_t over the full vocabulary (sipit.margins) on a seeded subset of (prompt, position) pairs."""
+    from benchmarks.metrics import median
+    from sipit.margins import distances_to_all
+
+    started = time.perf_counter()
+    truths, wb, layer = exposed.prompt_ids, exposed.attacker_wb, exposed.layer
+    pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
+    if not exposed.chain.per_position:
+        pairs = []
+    elif margin_positions != -1:
+        pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
+        pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
+    deltas: dict[tuple[int, int], float] = {}
+    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
+        ids = torch.tensor(truths[i])
+        prefix = wb.prefix_cache(ids[:t], layer)
+        mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
+        dist = distances_to_all(wb, prefix, mu_true)
+        dist[int(ids[t])] = float("inf")
+        deltas[(i, t)] = float(dist.min())
+    return {
+        "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
+        "median_half_delta": median([d / 2 for d in deltas.values()]),
+        "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
+        "noise_norms_all": all_norms, "seconds": time.perf_counter() - started,
+        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
+    }
+
+
+def _attack(state: _State, tracker, exposed, prompt_set, result_name: str, kind: str, options: AttackOptions,
+            seeds: dict, tokenizer, *, head_tokens: int, head_epochs: int, progress: bool, log) -> None:
+    """One attack over every exposed prompt: its summary, per-position and per-prompt rows, its MLflow run."""
+    from attacks.result import layer_hint
+    from benchmarks.corpus import corpus_windows, overlap_with
+    from benchmarks.metrics import summarise
+    from benchmarks.pipeline import attack_for, invert_all, train_softmax_head
+
+    results, truths = state.results, exposed.prompt_ids
+    summary: dict = {}
+    extra: dict = {}
+    if kind.startswith("head"):
+        variant = "clean" if kind == "head-clean" else "adaptive"
+        head, report, corpus = train_softmax_head(exposed, variant, n_tokens=head_tokens, epochs=head_epochs,
+                                                  seed=seeds["head"], progress=progress)
+        results.setdefault("head_corpus", {
+            "source": "pydoc_data.topics", "n_tokens": len(corpus), "cache_key": corpus.key,
+            "loaded_from_cache": corpus.cached,
+            "overlap_8gram_with_prompts": overlap_with(corpus_windows(tokenizer, head_tokens), truths),
+        })
+        info = report.to_dict()
+        info["coverage"] = head.coverage(truths)
+        results["heads"][variant] = extra["head"] = info
+        make = lambda i: head  # noqa: E731
+        decoder = f"SoftmaxHead({variant})"
+    else:
+        make = lambda i: attack_for(exposed, i, kind, options)  # noqa: E731
+        decoder = describe(make(0)) if kind == "sipit" else "SipIt(random order)"
+    summary["decoder"] = decoder
+    child = None
+    if tracker is not None:
+        child = tracker.start_child(result_name, {"attack": result_name, "decoder": decoder,
+                                                  "config_hash": results["config_hash"], **extra})
+    results["attacks"][result_name] = summary
+    deltas = {tuple(k): d for k, d in zip(results["margins"]["positions"], results["margins"]["deltas"])}
+    inversions: list = []
+
+    def record(i: int, inv) -> None:
+        ids = truths[i]
+        inversions.append(inv)
+        for t, truth_tok in enumerate(ids):
+            rec = inv.positions[t] if t < len(inv.positions) else None
+            got = inv.ids[t] if t < len(inv.ids) else None
+            delta = deltas.get((i, t))
+            norm = exposed.noise_norms[i][t]
+            state.rows.append({
+                "attack": result_name, "prompt": i, "position": t, "true_token": truth_tok,
+                "recovered_token": got, "correct": int(got == truth_tok), "delta": delta, "noise_norm": norm,
+                "ratio": (norm / (delta / 2)) if (delta and norm is not None) else None,
+                "candidates_tried": rec.candidates_tried if rec else None,
+                "distance": rec.distance if rec else None, "seconds": rec.seconds if rec else None,
+            })
+        state.prompt_rows.append({
+            "attack": result_name, "prompt": i, "kind": prompt_set[i].kind, "exact": int(inv.ids == ids),
+            "token_accuracy": sum(a == b for a, b in zip(inv.ids, ids)) / len(ids),
+            "truth_text": tokenizer.decode(ids), "recovered_text": inv.text,
+        })
+        summary.update(summarise(result_name, truths[: i + 1], inversions).to_dict())
+        if not progress:
+            log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
+
+    invert_all(exposed, make, tokenizer, progress=progress, desc=result_name, on_prompt=record)
+    hint = layer_hint(inversions, exposed.layer) if kind in EXACT_ATTACKS and all(exposed.exact) else None
+    if hint:
+        summary["hint"] = hint
+        log(f"[run] {result_name}: hint: {hint}", file=sys.stderr)
+    if child is not None:
+        tracker.log_metrics(child, {k: v for k, v in summary.items() if k not in ("attack", "decoder")})
+        tracker.finish(child)
+
+
 # --------------------------------------------------------------------------- CLI
 def _minimum(flag: str):
-    """The argparse type of an integer option with its :data:`MINIMUMS` bound."""
-    return arg(check_int, low=MINIMUMS[flag])
+    """The argparse type of an integer option with its :data:`benchmarks.config.MINIMUMS` bound."""
+    return arg(check_int, low=MINIMUMS[flag[2:].replace("-", "_")])
 
 
 def _default_noise_sigma() -> float:
@@ -658,7 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF model dir, .gguf file or hub id")
     p.add_argument("--layer", type=int, default=-1, help="layer attacked (negative: from the end; -1 = last block)")
     p.add_argument("--defense", action="append", default=None,
-                   help=f"defence(s), repeatable or comma-chained, applied in order: {', '.join(DEFENSES)}")
+                   help=f"defence(s) applied in order, repeatable: a spec name:key=value,... (e.g. "
+                        f"noise:sigma=0.1,placement=exposure) or a comma chain of names taking the flags below; "
+                        f"names: {', '.join(DEFENSES)}")
     g = p.add_argument_group("defence parameters")
     noise_default = f"--sigma-rel {_default_noise_sigma():g}"
     g.add_argument("--sigma", type=arg(check_float, low=0.0), default=argparse.SUPPRESS,
@@ -675,22 +505,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-dims", type=int, help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
     a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(ATTACKS)}")
-    a.add_argument("--robust", default="radius", choices=ROBUST, help="noise-robust SipIt decoder used under noise")
+    a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="noise-robust SipIt decoder used under noise")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")
-    a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS["head_tokens"],
+    a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS.head_tokens,
                    help="softmax-head training corpus tokens")
-    a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS["head_epochs"])
+    a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS.head_epochs)
     d = p.add_argument_group("data and measurement")
     d.add_argument("--prompts", default="mixed", help="prompt set (mixed, natural, random) or a text file, one per line")
-    d.add_argument("--n-prompts", type=_minimum("--n-prompts"), default=DEFAULTS["n_prompts"])
-    d.add_argument("--length", type=_minimum("--length"), default=DEFAULTS["length"],
+    d.add_argument("--n-prompts", type=_minimum("--n-prompts"), default=DEFAULTS.n_prompts)
+    d.add_argument("--length", type=_minimum("--length"), default=DEFAULTS.length,
                    help="tokens per prompt (at most the model's context length)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--margin-positions", type=_minimum("--margin-positions"), default=DEFAULTS["margin_positions"],
+    d.add_argument("--margin-positions", type=_minimum("--margin-positions"), default=DEFAULTS.margin_positions,
                    help="positions with an exact full-vocabulary margin Delta (-1 = all)")
-    d.add_argument("--utility-tokens", type=_minimum("--utility-tokens"), default=DEFAULTS["utility_tokens"],
+    d.add_argument("--utility-tokens", type=_minimum("--utility-tokens"), default=DEFAULTS.utility_tokens,
                    help="0 skips the utility cost")
     t = p.add_argument_group("output")
     t.add_argument("--tracking-uri", default=None, help=f"MLflow tracking URI (default {default_tracking_uri()})")
@@ -708,7 +538,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(*items, **kwargs, flush=True)
 
     try:
-        results = run_benchmark(**vars(args), log=log)
+        options = vars(args)
+        results = run_benchmark(RunConfig.from_options(**{k: v for k, v in options.items() if k != "progress"}),
+                                progress=options["progress"], log=log)
     except RunInterrupted as report:
         print(f"interrupted: {report}", file=sys.stderr)
         return 130

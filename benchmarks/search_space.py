@@ -20,10 +20,11 @@ reuses its members' distributions):
 
 Each trial (:func:`evaluate`) builds the defence with :func:`defenses.registry.make_chain`, measures
 its utility cost with :func:`defenses.utility.utility_cost` and its recovery (token accuracy) by the
-strongest adaptive attacks on a fixed prompt subset. The attack for each exposure is chosen by
-:func:`benchmarks.run.sipit_attack` (the benchmark run's rule), then rebuilt with the search's
-smaller shortlist / beam (``AttackBudget``) so a trial fits a CPU budget; the adaptive softmax head
-is trained as in benchmarks.run (exposure applied by ``benchmarks.run._exposure_fn``).
+strongest adaptive attacks on a fixed prompt subset, through the same pipeline as benchmarks.run
+(benchmarks.pipeline): the attack for each exposure is attacks.registry's ``"sipit"`` (the
+strongest form that knows the defence) within the search's smaller shortlist / pooled beam
+(``AttackBudget.options``) so a trial fits a CPU budget; the adaptive softmax head is trained on
+corpus states passed through the defence's exposure (benchmarks.pipeline.train_softmax_head).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-import torch
+from attacks.registry import describe
 
 FAMILIES = ("noise", "quant", "tying", "pooling", "quant+noise")
 QUANT_MODES = ("int8", "nf4", "fp4", "act-int8", "act-nf4", "act-fp4", "nf4+act-nf4")
@@ -54,6 +55,13 @@ class AttackBudget:
         from attacks.robust import GRADIENT_SHORTLIST
 
         return {"k_prior": self.k_prior, "k_grad": self.k_grad, **GRADIENT_SHORTLIST}
+
+    def options(self, *, robust: str, seed: int):
+        """attacks.registry.AttackOptions within this budget (the shortlist decoders and the pooled beam)."""
+        from attacks.registry import AttackOptions
+
+        return AttackOptions(robust=robust, seed=seed, shortlist=self.shortlist(), pooled_beam=self.pooled_beam,
+                             pooled_topk=self.pooled_topk)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,87 +118,42 @@ class TrialContext:
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids
         self.clean_wb = WhiteBox(loaded.model)
         self.seed, self.utility_tokens, self.attacks, self.budget, self.robust = seed, utility_tokens, attacks, budget, robust
-        self._served_cache: dict = {}
 
     def chain(self, names: list[str], params: dict):
-        """The defence; quantised / tied served copies are shared between trials of the same setting."""
+        """The defence (its quantised / tied served copy is held by ``loaded`` and shared between trials
+        of the same setting: defenses.base.Defense.served_copy)."""
         from defenses.registry import make_chain
 
         if "noise" in names:
             params = dict(params, seed=self.seed + 1)
-        chain = make_chain(names, **params)
-        for member in getattr(chain, "members", [chain]):
-            key = (member.name, tuple(sorted((k, str(v)) for k, v in member.params().items())))
-            if member.name in ("quant", "tying"):
-                if key in self._served_cache:
-                    member._cache = self._served_cache[key]
-                else:
-                    member.serve(self.loaded, self.layer)
-                    self._served_cache.clear()  # keep one copy at a time (memory)
-                    self._served_cache[key] = member._cache
-        return chain
-
-
-def _fast_attack(attack, chain, budget: AttackBudget):
-    """Rebuild the attack chosen by benchmarks.run.sipit_attack with the search's budget."""
-    from attacks.robust import MapDecoder, NearestNeighbour
-    from defenses.pooled_attack import PooledBeamAttack
-
-    if isinstance(attack, MapDecoder):
-        return MapDecoder(attack.sigma, **budget.shortlist())
-    if isinstance(attack, NearestNeighbour) and attack.stop == "shortlist":
-        return NearestNeighbour(stop="shortlist", sigma=attack.sigma, **budget.shortlist())
-    if isinstance(attack, PooledBeamAttack):
-        return PooledBeamAttack(attack.pooling, beam=budget.pooled_beam, topk=budget.pooled_topk)
-    return attack
+        return make_chain(names, **params)
 
 
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     """Utility cost and per-attack recovery of one defence setting (the trial's measurement)."""
-    from attacks.head import train_head
-    from benchmarks.corpus import corpus_states
     from benchmarks.metrics import summarise
-    from benchmarks.run import _exposure_fn, sipit_attack
+    from benchmarks.pipeline import attack_for, expose, invert_all, train_softmax_head
     from defenses.utility import utility_cost
-    from sipit.whitebox import WhiteBox
 
     started = time.perf_counter()
     chain = ctx.chain(names, params)
     loaded, layer = ctx.loaded, ctx.layer
     util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed)
-    served = chain.serve(loaded, layer)
-    attacker = chain.attacker_model(loaded, layer, True)
-    served_wb = ctx.clean_wb if served.model is loaded.model else WhiteBox(served.model)
-    attacker_wb = ctx.clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model)
-    generator = torch.Generator().manual_seed(ctx.seed + 1)
-    exposures, sigmas, exact = [], [], []
-    for ids in ctx.prompt_ids:
-        h = served_wb.states(ids, layer)
-        exposed = chain.expose(h, generator)
-        exposures.append(exposed)
-        sigmas.append(float(chain.noise_sigma(h)))
-        exact.append(bool(chain.per_position and torch.equal(exposed, attacker_wb.states(ids, layer))))
+    exposed = expose(chain, loaded, ctx.clean_wb, layer, ctx.prompt_ids, seed=ctx.seed + 1)
     attacks: dict[str, dict] = {}
     if "sipit" in ctx.attacks:
-        inversions, decoder = [], ""
-        for i, ids in enumerate(ctx.prompt_ids):
-            attack = _fast_attack(sipit_attack(chain, sigmas[i], exact[i], robust=ctx.robust, beam_width=4,
-                                               seed=ctx.seed), chain, ctx.budget)
-            decoder = f"{type(attack).__name__}({getattr(attack, 'name', '')})"
-            if chain.per_position:
-                inversions.append(attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer))
-            else:
-                inversions.append(attack.invert(exposures[i], attacker_wb, layer, loaded.tokenizer, length=len(ids)))
-        attacks["sipit"] = {"decoder": decoder, **summarise("sipit", ctx.prompt_ids, inversions).to_dict()}
+        options = ctx.budget.options(robust=ctx.robust, seed=ctx.seed)
+        chosen = [attack_for(exposed, i, "sipit", options) for i in range(len(ctx.prompt_ids))]
+        inversions = invert_all(exposed, chosen.__getitem__, loaded.tokenizer)
+        attacks["sipit"] = {"decoder": describe(chosen[-1]), **summarise("sipit", ctx.prompt_ids, inversions).to_dict()}
     if "softmax-head" in ctx.attacks and chain.per_position:
-        corpus = corpus_states(attacker, attacker_wb, layer, n_tokens=ctx.budget.head_tokens)
-        head, _ = train_head(corpus.states, corpus.ids, vocab_size=attacker_wb.vocab_size, windows=corpus.windows,
-                             epochs=ctx.budget.head_epochs, seed=ctx.seed + 2, variant="adaptive",
-                             augment=_exposure_fn(chain))
-        inversions = [head.invert(e, attacker_wb, layer, loaded.tokenizer) for e in exposures]
+        head, _, _ = train_softmax_head(exposed, "adaptive", n_tokens=ctx.budget.head_tokens,
+                                        epochs=ctx.budget.head_epochs, seed=ctx.seed + 2)
+        inversions = invert_all(exposed, lambda i: head, loaded.tokenizer)
         attacks["softmax-head-adaptive"] = {"decoder": "SoftmaxHead(adaptive)",
                                             **summarise("softmax-head-adaptive", ctx.prompt_ids, inversions).to_dict()}
     recovery = max(a["token_accuracy"] for a in attacks.values())
+    sigmas = exposed.sigmas
     return {
         "utility_loss": float(util.ppl_rel_increase),
         "ppl_rel_increase": float(util.ppl_rel_increase), "ppl_clean": util.ppl_clean, "ppl_served": util.ppl_served,

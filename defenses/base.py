@@ -18,13 +18,16 @@ Parameters are validated once, in ``__init__``; a bad value raises :class:`Defen
 from __future__ import annotations
 
 import copy
+import json
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Callable, ClassVar, TypeVar
 
 import torch
 
 from sipit.models import LoadedModel
 from sipit.whitebox import SipitInputError
+
+T = TypeVar("T")
 
 
 class DefenseParamError(ValueError):
@@ -58,6 +61,17 @@ class Defense(ABC):
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
         return 0.0
+
+    def served_copy(self, loaded: LoadedModel, build: Callable[[], T]) -> T:
+        """``build()``'s modified copy of ``loaded`` (with whatever it returns alongside), made once per
+        (defence, parameters) and held by ``loaded.served``, so a served model and the adaptive
+        attacker's, and every search trial of the same setting, share it. One copy at a time: each is
+        a whole model."""
+        key = (self.name, json.dumps(self.params(), sort_keys=True, default=str))
+        if key not in loaded.served:
+            loaded.served.clear()
+            loaded.served[key] = build()
+        return loaded.served[key]
 
     def check_model(self, loaded: LoadedModel) -> None:
         """Raise :class:`DefenseParamError` if the parameters do not fit ``loaded`` (e.g. more groups
@@ -95,7 +109,7 @@ def require_per_position(defense: Defense, attack_name: str = "this attack") -> 
         raise PooledExposureError(
             f"{attack_name} decodes one state per position, but defence {defense.name!r} "
             f"({defense.params()}) exposes only pooled states; use "
-            "defenses.pooled_attack.PooledBeamAttack (the adaptive attack on pooled exposure)"
+            "attacks.pooled.PooledBeamAttack (the adaptive attack on pooled exposure)"
         )
 
 

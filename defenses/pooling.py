@@ -12,7 +12,7 @@ Pooled exposures always have the layout ``(1, P, D')`` (a batch of one pooled se
 ``(T, d)`` layout of per-position states, so a per-position attack cannot mistake them for states
 (``WhiteBox.check_states`` rejects them; :func:`defenses.base.require_per_position` says why).
 The served model is unchanged (no utility cost to the task); the adaptive attacker holds the clean
-model and knows the pooling (:class:`defenses.pooled_attack.PooledBeamAttack`).
+model and knows the pooling (:class:`attacks.pooled.PooledBeamAttack`).
 """
 
 from __future__ import annotations

@@ -125,17 +125,17 @@ class Quantization(Defense):
         if self.blocksize not in (64, 128, 256, 512, 1024, 2048, 4096):
             raise DefenseParamError(f"blocksize must be a power of two in 64..4096, got {blocksize}")
         self.weights, self.activations = weights, activations
-        self._cache: tuple[nn.Module, LoadedModel] | None = None
 
     def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
         if self.weights == "none":
             return loaded
         # One quantised copy per source model (the adaptive attacker shares it; layer-independent).
-        if self._cache is None or self._cache[0] is not loaded.model:
+        def build() -> LoadedModel:
             served = copy_loaded(loaded, f"bnb-{self.weights}")
             quantize_blocks(served.model, self.weights)
-            self._cache = (loaded.model, served)
-        return self._cache[1]
+            return served
+
+        return self.served_copy(loaded, build)
 
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return quantize_activations(states, self.activations, self.blocksize)

@@ -78,7 +78,6 @@ class WeightTying(Defense):
         self.seed = check_number("seed", seed, integer=True, minimum=0)
         self.max_iter = check_number("max_iter", max_iter, integer=True, minimum=1)
         self._token_group: torch.Tensor | None = None
-        self._cache: tuple[nn.Module, LoadedModel] | None = None
 
     def check_model(self, loaded: LoadedModel) -> None:
         """groups must not exceed the vocabulary, rare must stay below it."""
@@ -117,13 +116,15 @@ class WeightTying(Defense):
         return out
 
     def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
-        if self._cache is None or self._cache[0] is not loaded.model:
+        def build() -> tuple[LoadedModel, torch.Tensor]:
             tied = self.fit(loaded)
             served = copy_loaded(loaded, f"tied-{self.n_groups or self.rare}")
             untie_head(served.model)
             served.model.get_input_embeddings().weight.data.copy_(tied)
-            self._cache = (loaded.model, served)
-        return self._cache[1]
+            return served, self._token_group
+
+        served, self._token_group = self.served_copy(loaded, build)
+        return served
 
     def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
         return self.serve(loaded, layer) if knows_defense else loaded

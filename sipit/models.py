@@ -20,7 +20,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +55,8 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    #: served copies derived from this model (defenses.base.Defense.served_copy): one at a time
+    served: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def cache_dir() -> Path:

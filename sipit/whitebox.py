@@ -117,8 +117,11 @@ class WhiteBox:
                 f"{self.context_length} tokens"
             )
 
-    def check_states(self, states: torch.Tensor) -> torch.Tensor:
+    def check_states(self, states: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """Observed states as a finite ``(T, d)`` float tensor on the model's device.
+
+        ``length``: the prompt length the caller expects (every attack's ``invert`` takes it, since a
+        pooled exposure needs it); per-position states must then hold exactly ``length`` rows.
 
         Refused: non-tensors, integer/bool dtypes (cast states have lost what the attack compares),
         wrong shapes, more positions than the context, NaN/inf, and states so large that their
@@ -134,7 +137,7 @@ class WhiteBox:
         if states.dim() != 2 or states.shape[1] != self.d:
             hint = (
                 " (a pooled exposure holds no per-position states: per-position attacks cannot run "
-                "on it; use defenses.pooled_attack.PooledBeamAttack)"
+                "on it; use attacks.pooled.PooledBeamAttack)"
                 if states.dim() == 3 else ""
             )
             raise SipitInputError(
@@ -142,6 +145,8 @@ class WhiteBox:
             )
         if states.shape[0] == 0:
             raise SipitInputError("states hold no positions: there is nothing to invert")
+        if length is not None and states.shape[0] != length:
+            raise SipitInputError(f"states hold {states.shape[0]} positions, the prompt length given is {length}")
         self.check_length(states.shape[0], "the states")
         if not torch.isfinite(states).all():
             bad = (~torch.isfinite(states)).any(dim=1).nonzero().flatten().tolist()

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cli, invert, noise, run, speed
+from benchmarks import cli, invert, run
+from benchmarks.experiments import noise, speed
 from sipit.models import GGUF_MAGIC
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,20 +103,16 @@ def test_invert_max_tokens_keeps_exactly_n_tokens(capsys):
 
 
 def test_noise_help_and_behaviour_agree_on_the_default_sigma():
-    from defenses.registry import make_chain
+    from benchmarks.config import RunConfig
 
     help_text = run.build_parser().format_help()
-    chain = make_chain(["noise"], **run.defense_params(
-        ["noise"], sigma=None, sigma_rel=None, placement=None, quant=None, quant_activations=None, tie_groups=None,
-        tie_rare=None, pool=None, pool_window=None, pool_dims=None, seed=1))
-    params = chain.params()
+    params = RunConfig.from_options(defense="noise").chain().params()
     assert params["relative_to"] == "rms"
     assert f"neither --sigma nor --sigma-rel: --sigma-rel {params['sigma']:g}" in " ".join(help_text.split())
     assert "(default: None)" not in " ".join(help_text.split()).split("--sigma ")[1].split("--placement")[0]
-    explicit = make_chain(["noise"], **run.defense_params(
-        ["noise"], sigma=0.1, sigma_rel=None, placement=None, quant=None, quant_activations=None, tie_groups=None,
-        tie_rare=None, pool=None, pool_window=None, pool_dims=None, seed=1)).params()
+    explicit = RunConfig.from_options(defense="noise", sigma=0.1).chain().params()
     assert explicit["sigma"] == 0.1 and explicit["relative_to"] == "abs"
+    assert RunConfig.from_options(defense="noise:sigma=0.1,relative_to=abs").chain().params() == explicit
 
 
 def test_default_out_dir_is_the_repository_results_folder_wherever_the_command_runs(tmp_path, monkeypatch):
@@ -153,8 +150,8 @@ def command(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProce
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["benchmarks.noise", "--sigmas", "bogus"], "argument --sigmas: must be a finite number"),
-    (["benchmarks.speed", "--model", "tiny-gpt2", "--layers", "99"], "--layers: layer 99 out of range"),
+    (["benchmarks.experiments.noise", "--sigmas", "bogus"], "argument --sigmas: must be a finite number"),
+    (["benchmarks.experiments.speed", "--model", "tiny-gpt2", "--layers", "99"], "--layers: layer 99 out of range"),
     (["benchmarks.run", "--model", "tiny-gpt2", "--defense", "tying", "--tie-groups", "100000", "--no-tracking"],
      "groups=100000 exceeds the vocabulary size 512"),
 ])

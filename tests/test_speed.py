@@ -1,10 +1,10 @@
-"""benchmarks.speed on a tiny model: the report it writes and what it measures."""
+"""benchmarks.experiments.speed on a tiny model: the report it writes and what it measures."""
 
 import json
 
 import pytest
 
-from benchmarks.speed import run_speed
+from benchmarks.experiments.speed import run_speed
 
 
 @pytest.fixture(autouse=True)

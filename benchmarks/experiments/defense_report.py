@@ -1,7 +1,7 @@
-"""Utility-cost table of every defence setting on one model: ``python -m defenses.report``.
+"""Utility-cost table of every defence setting on one model: ``python -m benchmarks.experiments.defense_report``.
 
-Writes a markdown table (stdout, and ``--out`` if given) plus JSON rows (``--json``). Run it under
-the CPU lock: ``flock /tmp/sipit-heavy.lock .venv/bin/python -m defenses.report``.
+Prints a markdown table and writes it (``report.md``) with the JSON rows (``report.json``) to ``--out``. Run it under
+the CPU lock: ``flock /tmp/sipit-heavy.lock .venv/bin/python -m benchmarks.experiments.defense_report``.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
-from defenses.registry import make_defense
+from benchmarks.cli import arg, check_int, check_names, default_out_dir, run_main
+from defenses.registry import DEFENSES, make_defense
 from defenses.utility import utility_cost
-from sipit.models import load_model
+from sipit.models import DEFAULT_MODEL, load_model
 
 SETTINGS: list[tuple[str, dict]] = [
     ("none", {}),
@@ -62,26 +64,35 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.experiments.defense_report",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--layer", type=int, default=15)
-    parser.add_argument("--n-tokens", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", help="defence names to include (default: all)")
-    parser.add_argument("--out", help="write the markdown table here")
-    parser.add_argument("--json", help="write the rows as JSON here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--n-tokens", type=arg(check_int, low=16), default=2048)
+    parser.add_argument("--seed", type=arg(check_int, low=0), default=0)
+    parser.add_argument("--only", type=arg(check_names, choices=tuple(DEFENSES)), default=None,
+                        help="comma list of defence names to include (default: all)")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder: report.md and report.json (default {default_out_dir('defense-report')})")
+    return parser
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """Measure every setting, then write report.md and report.json to ``--out``."""
     rows = run(args.model, args.layer, args.n_tokens, args.seed, args.only)
     text = table(rows)
     print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
+    out = Path(args.out) if args.out is not None else default_out_dir("defense-report")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(text + "\n")
+    (out / "report.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), report_command, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Measure the numerical gap between cached, batched candidate steps and the full forward.
 
-    python -m benchmarks.gap [--model smollm2-135m] [--layers first,middle,last] [--n-prompts 3]
+    python -m benchmarks.experiments.gap [--model smollm2-135m] [--layers first,middle,last] [--n-prompts 3]
 
 Prints, per layer, the largest relative L2 gap ||mu_cached - h_full|| / ||h_full|| over every
 position of the prompts and the tolerance the documented rule derives from it
@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.cli import arg, check_int, run_main
 from benchmarks.prompts import prompt_set
-from benchmarks.speed import check_layer_spec, named_layers
+from benchmarks.experiments.speed import check_layer_spec, named_layers
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.tolerance import DEFAULT_REL_TOL, measure_gap, tolerance_from_gaps
 from sipit.whitebox import WhiteBox
@@ -36,7 +36,7 @@ def measure_gaps(model: str = DEFAULT_MODEL, layers: str | list = "first,middle,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gap", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.experiments.gap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--layers", type=arg(check_layer_spec, name=""), default="first,middle,last")
     parser.add_argument("--n-prompts", type=arg(check_int, low=1), default=3)

@@ -1,8 +1,8 @@
 """Margins Delta_t per layer on a few positions, and the margin / plain-forward speed ratio.
 
-    python -m benchmarks.margins_table --model smollm2-135m --layers first,middle,last \
+    python -m benchmarks.experiments.margins_table --model smollm2-135m --layers first,middle,last \
         --n-prompts 1 --positions 3 --out runs/margins
-    python -m benchmarks.margins_table --model smollm2-135m --audit-prompts 50 --positions 0  # Table 1
+    python -m benchmarks.experiments.margins_table --model smollm2-135m --audit-prompts 50 --positions 0  # Table 1
 
 Delta_t is exact (full vocabulary, sipit.margins.margins) at the first ``--positions`` positions
 of each prompt. Speed: at the measured positions the full-vocabulary margin costs T*V candidate
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cli import arg, check_int, default_out_dir, run_main
-from benchmarks.speed import check_layer_spec, named_layers
+from benchmarks.experiments.speed import check_layer_spec, named_layers
 from sipit.audit import audit, table
 from sipit.margins import distances_to_all, margins
 from sipit.models import DEFAULT_MODEL, load_model
@@ -75,7 +75,7 @@ def speed_ratio(wb: WhiteBox, ids: list[int], layer: int, chunk: int = 1024) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.margins_table", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.margins_table", description=__doc__.split("\n")[0])
     count, layers = arg(check_int, low=1), arg(check_layer_spec, name="")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--layers", type=layers, default="first,middle,last")

@@ -1,6 +1,6 @@
 """Recovery under Gaussian noise versus the margin Delta/2 and versus sigma.
 
-    python -m benchmarks.noise --model smollm2-135m --layer 15 --sigmas 10,16,22 --n-prompts 20 \
+    python -m benchmarks.experiments.noise --model smollm2-135m --layer 15 --sigmas 10,16,22 --n-prompts 20 \
         --length 5 --exact-prompts 1 --exact-positions 2 --draws 30 --n-fit 1024 \
         --decoders nn-shortlist,map,beam --out runs/noise-l15
 
@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from attacks.robust import RANKINGS, BeamSipIt, MapDecoder, NearestNeighbour
+from attacks.registry import AttackOptions, Exposure, build
+from attacks.robust import RANKINGS
 from attacks.surrogate import vocabulary_states
 from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, run_main
-from benchmarks.margins_table import load_ids
+from benchmarks.experiments.margins_table import load_ids
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
 from sipit.whitebox import WhiteBox
@@ -90,19 +91,15 @@ def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> tup
     return rows, tables
 
 
-DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")
+DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")  # attacks.registry names
 
 
 def decoders(sigma: float, args) -> list:
-    """The free-running decoders named in ``args.decoders``, all on the same shortlist settings."""
-    kw = dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds, ranking=args.ranking,
-              n_fit=args.n_fit, k_proxy=args.k_proxy)
-    make = {"nn-shortlist": lambda: NearestNeighbour(stop="shortlist", sigma=sigma, **kw),
-            "nn-heuristic": lambda: NearestNeighbour(stop="heuristic", sigma=sigma,
-                                                     max_candidates=args.k_prior + args.rounds * args.k_grad),
-            "map": lambda: MapDecoder(sigma, **kw),
-            "beam": lambda: BeamSipIt(sigma, width=args.width, prior=True, backtrack=True, **kw)}
-    return [make[name]() for name in args.decoders]
+    """The free-running decoders named in ``args.decoders`` (attacks.registry), all on the same shortlist settings."""
+    options = AttackOptions(beam_width=args.width, max_candidates=args.k_prior + args.rounds * args.k_grad,
+                            shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
+                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy))
+    return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 
 def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None) -> list[dict]:
@@ -299,7 +296,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.noise", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     count = arg(check_int, low=1)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model dir, .gguf file or hub id")

@@ -1,6 +1,6 @@
 """Speed of SipIt (learned proposals by default) against BruteForce (random order) on the same positions.
 
-    python -m benchmarks.speed [--model smollm2-135m] [--n-prompts 10] [--length 20]
+    python -m benchmarks.experiments.speed [--model smollm2-135m] [--n-prompts 10] [--length 20]
                                [--layers first,middle,last] [--bruteforce-positions 3]
                                [--policy learned|gradient|random]
 
@@ -254,7 +254,7 @@ def to_markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.experiments.speed", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, HF model dir, .gguf file or hub id")
     parser.add_argument("--n-prompts", type=arg(check_int, low=1), default=10)

@@ -1,0 +1,115 @@
+"""Every attack, registered once by name: how each is built, and which one knows a given exposure.
+
+An attack is built from two things:
+
+- :class:`Exposure`: what the attacker knows about the states it inverts: the absolute noise
+  sigma per coordinate (0: none), whether the states are exactly the model's (``exact``: no noise,
+  no quantised activations), and the pooling defence when the exposure is pooled (no
+  per-position states).
+- :class:`AttackOptions`: the caller's choices: the noise-robust decoder (``robust``), beam
+  width, seed, and the budget that bounds the shortlist decoders (``shortlist``: CandidateScorer
+  overrides; ``max_candidates`` for the radius stop; the pooled beam's ``pooled_beam`` and
+  ``pooled_topk``).
+
+``build(name, exposure, options)`` is the only way ``benchmarks.run``, ``benchmarks.search`` and
+``benchmarks.experiments.noise`` make an attack. ``"sipit"`` is the strongest SipIt form that knows
+the exposure (:func:`strongest`):
+
+    pooled exposure              -> "pooled-beam"   (attacks.pooled.PooledBeamAttack)
+    sigma > 0                    -> ROBUST[options.robust]: "nn-heuristic" (radius, the default),
+                                    "map", "beam" or "nn-shortlist"
+    inexact, noise-free states   -> "nn-gradient": nearest neighbour on the cheap gradient shortlist
+                                    (quantised activations: prior top-k + one gradient round)
+    exact states                 -> "sipit-exact"   (SipIt, gradient policy + prior)
+
+The trained baseline (``softmax-head``, attacks.head) is named here too but is trained, not built:
+:data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from attacks.policies import GradientPolicy, RandomPolicy
+from attacks.pooled import PooledBeamAttack
+from attacks.robust import GRADIENT_SHORTLIST, BeamSipIt, MapDecoder, NearestNeighbour
+from attacks.sipit import SipIt
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """What the attacker knows about one exposed prompt's states."""
+
+    sigma: float = 0.0  # absolute noise sigma per coordinate (0: no noise)
+    exact: bool = True  # the states equal the attacker model's own (bit for bit)
+    pooling: object | None = None  # the defences.pooling.Pooling member when the exposure is pooled
+
+
+@dataclass(frozen=True)
+class AttackOptions:
+    """The caller's choices and budget (``None``: the attack's own default)."""
+
+    robust: str = "radius"
+    beam_width: int = 4
+    seed: int = 0
+    shortlist: dict | None = None  # CandidateScorer options of the shortlist decoders (nn-*, map, beam)
+    max_candidates: int | None = None  # the radius stop's cap (nn-heuristic)
+    pooled_beam: int | None = None
+    pooled_topk: int | None = None
+
+
+def _given(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _pooled(e: Exposure, o: AttackOptions):
+    return PooledBeamAttack(e.pooling, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
+
+
+#: name -> builder(exposure, options). Adding an attack is one entry here.
+BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
+    "sipit-exact": lambda e, o: SipIt(GradientPolicy(), seed=o.seed),
+    "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
+    "nn-heuristic": lambda e, o: NearestNeighbour(stop="heuristic", sigma=e.sigma,
+                                                  **_given(max_candidates=o.max_candidates)),
+    "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **(o.shortlist or {})),
+    "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
+                                                 **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
+    "map": lambda e, o: MapDecoder(e.sigma, **(o.shortlist or {})),
+    "beam": lambda e, o: BeamSipIt(e.sigma, width=o.beam_width, **(o.shortlist or {})),
+    "pooled-beam": _pooled,
+}
+#: --robust choice -> the decoder used under Gaussian noise
+ROBUST = {"radius": "nn-heuristic", "map": "map", "beam": "beam", "shortlist": "nn-shortlist"}
+#: attacks that are trained on a corpus rather than built (benchmarks.pipeline trains them)
+TRAINED = ("softmax-head",)
+#: the names a benchmark run accepts in --attacks
+RUN_ATTACKS = ("sipit", "softmax-head", "bruteforce")
+#: attacks whose ``verified`` flags mean "exact acceptance" on exact exposure (attacks.result.layer_hint)
+EXACT_ATTACKS = ("sipit", "bruteforce")
+
+
+def strongest(exposure: Exposure, options: AttackOptions) -> str:
+    """The registry name of the strongest SipIt form that knows ``exposure`` (module docstring)."""
+    if options.robust not in ROBUST:
+        raise ValueError(f"robust must be one of {tuple(ROBUST)}, got {options.robust!r}")
+    if exposure.pooling is not None:
+        return "pooled-beam"
+    if exposure.sigma > 0:
+        return ROBUST[options.robust]
+    return "nn-gradient" if not exposure.exact else "sipit-exact"
+
+
+def build(name: str, exposure: Exposure = Exposure(), options: AttackOptions = AttackOptions()):
+    """The attack registered as ``name`` (``"sipit"``: :func:`strongest`) for ``exposure``."""
+    if name == "sipit":
+        name = strongest(exposure, options)
+    if name not in BUILDERS:
+        raise ValueError(f"unknown attack {name!r}: choose from {', '.join(['sipit', *BUILDERS])}")
+    return BUILDERS[name](exposure, options)
+
+
+def describe(attack) -> str:
+    """``Class(name)``: the decoder that ran, as results and MLflow record it."""
+    return f"{type(attack).__name__}({getattr(attack, 'name', '')})"

@@ -1,0 +1,124 @@
+"""One pipeline for every measurement: expose -> attack -> metrics (recording is the caller's).
+
+``benchmarks.run`` (one setting, full report) and ``benchmarks.search`` (one trial per setting)
+both go through these functions, so the exposure a defence produces, the attack that knows it and
+the head trained against it are the same in both:
+
+1. :func:`expose`: serve the model through the defence chain, take the layer-l states of each
+   prompt and pass them through the chain's exposure (seeded generator); note for each prompt the
+   absolute noise sigma, whether the exposed states are exactly the attacker model's, and the
+   noise norm ||h~_t - mu_t|| at every position (per-position exposures only).
+2. :func:`attack_for` (attacks.registry) / :func:`train_softmax_head`: the attack that knows the
+   exposure; the softmax head trained on corpus states, clean or passed through the defence's
+   exposure (:func:`exposure_fn`: the adaptive head).
+3. :func:`invert_all`: every prompt through one ``invert(observed, whitebox, layer, tokenizer,
+   length)`` call (a pooled exposure needs the length; per-position attacks check it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from attacks.registry import AttackOptions, Exposure, build
+
+
+@dataclass
+class Exposed:
+    """The exposed states of a prompt set under one defence chain, and what the attacker runs on."""
+
+    chain: object  # defences.base.Chain
+    attacker: object  # sipit.models.LoadedModel the attacker runs (the served copy when it knows the defence)
+    attacker_wb: object  # sipit.whitebox.WhiteBox of ``attacker``
+    layer: int
+    prompt_ids: list[list[int]]
+    states: list[torch.Tensor]  # what the attacker observes, per prompt
+    sigmas: list[float]  # absolute noise sigma per prompt (0: none)
+    exact: list[bool]  # exposed states equal the attacker's own, bit for bit
+    noise_norms: list[list[float | None]]  # ||h~_t - mu_t|| per position (None: pooled)
+
+    def knowledge(self, i: int) -> Exposure:
+        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""
+        pooling = None if self.chain.per_position else list(getattr(self.chain, "members", [self.chain]))[-1]
+        return Exposure(sigma=self.sigmas[i], exact=self.exact[i], pooling=pooling)
+
+
+def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, seed: int,
+           knows_defense: bool = True, progress: bool = False) -> Exposed:
+    """Serve ``loaded`` through ``chain`` and expose layer ``layer`` of every prompt (module docstring, 1)."""
+    from sipit.whitebox import WhiteBox
+
+    served = chain.serve(loaded, layer)
+    attacker = chain.attacker_model(loaded, layer, knows_defense)
+    served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
+    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model)
+    generator = torch.Generator().manual_seed(seed)
+    states, sigmas, exact, norms = [], [], [], []
+    for ids in tqdm(prompt_ids, desc="expose states", disable=not progress, leave=False):
+        h_served = served_wb.states(ids, layer)
+        exposed = chain.expose(h_served, generator)
+        states.append(exposed)
+        sigmas.append(float(chain.noise_sigma(h_served)))
+        if chain.per_position:
+            h_true = attacker_wb.states(ids, layer)  # mu_{p_t, s_t} as the attacker computes it
+            norms.append((exposed.float() - h_true.float()).norm(dim=-1).tolist())
+            exact.append(bool(torch.equal(exposed, h_true)))
+        else:
+            norms.append([None] * len(ids))
+            exact.append(False)
+    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms)
+
+
+def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):
+    """The registered attack ``name`` built for prompt ``i``'s exposure."""
+    return build(name, exposed.knowledge(i), options)
+
+
+def invert_all(exposed: Exposed, make: Callable[[int], object], tokenizer, *, progress: bool = False,
+               desc: str = "invert", on_prompt: Callable[[int, object], None] | None = None) -> list:
+    """``make(i).invert(...)`` on every exposed prompt; ``on_prompt(i, inversion)`` after each."""
+    inversions = []
+    for i, ids in enumerate(tqdm(exposed.prompt_ids, desc=desc, disable=not progress)):
+        inversion = make(i).invert(exposed.states[i], exposed.attacker_wb, exposed.layer, tokenizer, length=len(ids))
+        inversions.append(inversion)
+        if on_prompt is not None:
+            on_prompt(i, inversion)
+    return inversions
+
+
+def exposure_fn(defense) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """States -> what the attacker sees, for training the adaptive head on corpus states.
+
+    Noise placed inside the model is added directly (its layer-l states are the noisy ones)."""
+    members = list(getattr(defense, "members", [defense]))
+
+    def apply(states: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        for member in members:
+            if getattr(member, "placement", "exposure") == "model" and hasattr(member, "add_noise"):
+                states = member.add_noise(states, generator)
+            else:
+                states = member.expose(states, generator)
+        return states
+
+    return apply
+
+
+def train_softmax_head(exposed: Exposed, variant: str, *, n_tokens: int, epochs: int, seed: int,
+                       progress: bool = False):
+    """(head, report, corpus) of the softmax head trained on the attacker model's corpus states.
+
+    ``variant="adaptive"`` passes every training batch through the defence's exposure
+    (:func:`exposure_fn`); ``"clean"`` trains on the states as they are.
+    """
+    from attacks.head import train_head
+    from benchmarks.corpus import corpus_states
+
+    wb = exposed.attacker_wb
+    corpus = corpus_states(exposed.attacker, wb, exposed.layer, n_tokens=n_tokens, progress=progress)
+    head, report = train_head(corpus.states, corpus.ids, vocab_size=wb.vocab_size, windows=corpus.windows,
+                              epochs=epochs, seed=seed, variant=variant,
+                              augment=exposure_fn(exposed.chain) if variant == "adaptive" else None, progress=progress)
+    return head, report, corpus

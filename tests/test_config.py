@@ -1,0 +1,62 @@
+"""benchmarks.config: the run configuration the CLI and run_benchmark share, and defence spec strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import run
+from benchmarks.cli import UsageError
+from benchmarks.config import RunConfig, legacy_specs, parse_spec
+
+
+def _config_from_cli(*argv: str) -> RunConfig:
+    options = vars(run.build_parser().parse_args(list(argv)))
+    options.pop("progress")
+    return RunConfig.from_options(**options)
+
+
+def test_spec_values_are_read_as_int_float_or_text():
+    assert parse_spec("pooling:mode=mean,over=window,k=4") == ("pooling", {"mode": "mean", "over": "window", "k": 4})
+    assert parse_spec(" noise:sigma=0.1, placement=exposure ") == ("noise", {"sigma": 0.1, "placement": "exposure"})
+    assert parse_spec("none") == ("none", {})
+    with pytest.raises(UsageError, match="not key=value"):
+        parse_spec("noise:sigma")
+
+
+def test_cli_specs_chain_in_order_and_match_the_legacy_flags():
+    specs = _config_from_cli("--defense", "quant:weights=int8", "--defense", "noise:sigma=0.5,relative_to=rms")
+    legacy = _config_from_cli("--defense", "quant,noise", "--quant", "int8", "--sigma-rel", "0.5")
+    assert specs.defense_names() == legacy.defense_names() == ["quant", "noise"]
+    assert specs.chain().params() == legacy.chain().params()
+    assert specs.record() == legacy.record() and specs.hash() == legacy.hash()
+    assert [m.name for m in specs.chain().members] == ["quant", "noise"]
+
+
+def test_the_documented_command_keeps_its_meaning():
+    config = _config_from_cli("--defense", "noise", "--sigma", "0.1")
+    params = config.chain().params()
+    assert config.defenses == ("noise:sigma=0.1,relative_to=abs",)
+    assert params["sigma"] == 0.1 and params["relative_to"] == "abs" and params["seed"] == config.seeds["noise"]
+    assert RunConfig.from_options(defense="noise", sigma=0.1) == config
+
+
+def test_bad_specs_are_usage_errors_naming_the_spec():
+    with pytest.raises(UsageError, match=r"--defense noise:sigmaa=0.1: .*no parameter"):
+        RunConfig(defenses=("noise:sigmaa=0.1",)).validate()
+    with pytest.raises(UsageError, match="unknown defence"):
+        RunConfig(defenses=("nosie",)).validate()
+    with pytest.raises(UsageError, match="pools the exposure, so it must come last"):
+        RunConfig(defenses=("pooling:mode=mean", "noise:sigma=0.1")).validate()
+    with pytest.raises(UsageError, match="not both"):
+        RunConfig.from_options(defense="noise:sigma=0.1", sigma=0.2)
+    with pytest.raises(UsageError, match="--n-prompts"):
+        RunConfig(n_prompts=0).validate()
+    with pytest.raises(UsageError, match="no defence in"):
+        legacy_specs(["quant"], sigma=0.1)
+
+
+def test_seeds_follow_the_run_seed():
+    assert RunConfig(seed=5).seeds == {"prompts": 5, "noise": 6, "head": 7, "attack": 5, "margin_positions": 8,
+                                       "utility": 5}
+    assert RunConfig(seed=5, defenses=("noise:sigma=0.1",)).chain().params()["seed"] == 6
+    assert RunConfig(seed=5, defenses=("noise:sigma=0.1,seed=42",)).chain().params()["seed"] == 42

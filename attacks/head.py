@@ -40,6 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attacks.result import Inversion, PositionRecord
+from sipit.sweep import sweep_states
 
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
@@ -232,11 +233,9 @@ class PrototypeHead:
     @classmethod
     @torch.no_grad()
     def on_prefix(cls, whitebox, prefix_ids, layer: int, *, chunk: int = 1024) -> "PrototypeHead":
-        """mu_{p,v} = Phi^l(p + v)_{|p|} for all v, stepped in chunks on the cached prefix."""
+        """mu_{p,v} = Phi^l(p + v)_{|p|} for all v: the vocabulary swept on the cached prefix."""
         prefix = whitebox.prefix_cache(torch.as_tensor(prefix_ids, dtype=torch.long), layer)
-        rows = [whitebox.step(prefix, ids).states.float().cpu()
-                for ids in torch.arange(whitebox.vocab_size).split(chunk)]
-        return cls(torch.cat(rows))
+        return cls(sweep_states(whitebox, prefix, chunk=chunk).float().cpu())
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """w_v^T h + b_v for every v (``(V,)`` or ``(N, V)``) = ||h||^2 - ||mu_v - h||^2."""

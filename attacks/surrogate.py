@@ -10,8 +10,9 @@ token's prefix-free state:
 ``z`` standardises each coordinate over the vocabulary; ``A_p`` ((d+1) x d) is a ridge
 least-squares fit on ``n_fit`` tokens whose states are computed exactly on p. The sample is a
 fixed seeded subset of the vocabulary, so a fit is a deterministic function of the prefix: it
-is memoised per (WhiteBox, layer, prefix tokens) and shared by every decoder (pure memoisation:
-no decoder learns from another's prefix). Candidates are ranked by the predicted squared distance
+is memoised by the WhiteBox per (layer, prefix tokens) and shared by every decoder (pure
+memoisation: no decoder learns from another's prefix). Candidates are ranked by the predicted
+squared distance
 
     ||mu^_v - h~||^2 = ||mu^_v||^2 - 2 [z(F_v), 1] (A_p h~) + ||h~||^2
 
@@ -25,22 +26,19 @@ The surrogate only ORDERS candidates: every decision is made on exactly computed
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from sipit.margins import all_states
+from sipit.memo import is_memoised, memoised
+from sipit.sweep import sweep_states
 from sipit.vocab_table import position_zero_table
+from sipit.vocab_table import vocabulary_states  # noqa: F401 -- re-exported for benchmarks.experiments.noise
 from sipit.whitebox import PrefixCache, WhiteBox
 
-# Per WhiteBox: {layer: (V, d+1) design matrix}, memoised fits and full-vocabulary tables.
-_DESIGNS: "weakref.WeakKeyDictionary[WhiteBox, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
-_FITS: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
-_TABLES: "weakref.WeakKeyDictionary[WhiteBox, OrderedDict]" = weakref.WeakKeyDictionary()
+# Held by the WhiteBox (sipit.memo): whitebox.memo["surrogate-design"][layer] = the (V, d+1)
+# design matrix, whitebox.memo["surrogate-fits"][(layer, prefix tokens, n_fit, lam, seed)] = a fit.
 MEMO_SIZE = 256  # fits kept per WhiteBox (~5 MB each at d = 576)
-TABLE_MEMO_SIZE = 24  # full-vocabulary tables kept per WhiteBox (V x d each: 113 MB for smollm2)
 
 
 def first_token_states(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> torch.Tensor:
@@ -48,29 +46,14 @@ def first_token_states(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> tor
     return position_zero_table(whitebox, layer, chunk=chunk).states
 
 
-@torch.no_grad()
-def vocabulary_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024) -> torch.Tensor:
-    """mu_{p,v} for every v on ``prefix`` (V steps), memoised per prefix; position 0 is F itself."""
-    if prefix.length == 0:
-        return first_token_states(whitebox, prefix.layer, chunk)
-    memo = _TABLES.setdefault(whitebox, OrderedDict())
-    key = (prefix.layer, prefix.tokens)
-    if key not in memo:
-        memo[key] = all_states(whitebox, prefix, chunk)
-        while len(memo) > TABLE_MEMO_SIZE:
-            memo.popitem(last=False)
-    memo.move_to_end(key)
-    return memo[key]
-
-
 def design_matrix(whitebox: WhiteBox, layer: int, chunk: int = 1024) -> torch.Tensor:
     """``[z(F_v), 1]`` for every token, ``(V, d+1)``: standardised position-0 states and an intercept."""
-    per_layer = _DESIGNS.setdefault(whitebox, {})
-    if layer not in per_layer:
+    def build() -> torch.Tensor:
         f = first_token_states(whitebox, layer, chunk)
         z = (f - f.mean(0)) / (f.std(0) + 1e-6)
-        per_layer[layer] = torch.cat([z, torch.ones(f.shape[0], 1, dtype=f.dtype, device=f.device)], 1)
-    return per_layer[layer]
+        return torch.cat([z, torch.ones(f.shape[0], 1, dtype=f.dtype, device=f.device)], 1)
+
+    return memoised(whitebox, "surrogate-design", layer, build)
 
 
 def ridge(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, lam: float) -> torch.Tensor:
@@ -107,7 +90,7 @@ class LinearSurrogate:
         return (prefix.layer, prefix.tokens, self.n_fit, self.lam, self.seed)
 
     def has_fit(self, whitebox: WhiteBox, prefix: PrefixCache) -> bool:
-        return self._key(prefix) in _FITS.get(whitebox, {})
+        return is_memoised(whitebox, "surrogate-fits", self._key(prefix))
 
     def sample_ids(self, vocab_size: int) -> torch.Tensor:
         """The fixed, seeded fitting sample (the whole vocabulary when n_fit >= V)."""
@@ -117,21 +100,16 @@ class LinearSurrogate:
     @torch.no_grad()
     def fit(self, whitebox: WhiteBox, prefix: PrefixCache) -> SurrogateFit:
         """A_p for ``prefix``: n_fit exact steps on it, then one ridge solve (memoised per prefix)."""
-        memo = _FITS.setdefault(whitebox, OrderedDict())
-        key = self._key(prefix)
-        if key in memo:
-            memo.move_to_end(key)
-            return memo[key]
+        return memoised(whitebox, "surrogate-fits", self._key(prefix), lambda: self._fit(whitebox, prefix),
+                        size=MEMO_SIZE)
+
+    def _fit(self, whitebox: WhiteBox, prefix: PrefixCache) -> SurrogateFit:
         x = design_matrix(whitebox, prefix.layer, self.chunk)
         sample = self.sample_ids(whitebox.vocab_size).to(whitebox.device)
-        states = torch.cat([whitebox.step(prefix, c).states for c in sample.split(self.chunk)])
+        states = sweep_states(whitebox, prefix, ids=sample, chunk=self.chunk)
         coef = ridge(x[sample], states, torch.ones(sample.numel(), device=x.device), self.lam)
         norms = torch.cat([(part @ coef).pow(2).sum(1) for part in x.split(8192)])
-        fit = SurrogateFit(prefix.layer, prefix.length, coef, norms, sample, states)
-        memo[key] = fit
-        while len(memo) > MEMO_SIZE:
-            memo.popitem(last=False)
-        return fit
+        return SurrogateFit(prefix.layer, prefix.length, coef, norms, sample, states)
 
     @torch.no_grad()
     def refine(self, whitebox: WhiteBox, fit: SurrogateFit, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sipit.margins import _chunks
+from sipit.sweep import sweep
 from sipit.whitebox import WhiteBox
 
 
@@ -44,13 +44,9 @@ def min_pairwise(states: torch.Tensor) -> tuple[float, int, int, torch.Tensor]:
 def extension_min(wb: WhiteBox, a: list[int], b: list[int], layer: int, chunk: int = 1024) -> tuple[float, int]:
     """min_v ||Phi^l(a + v)_last - Phi^l(b + v)_last|| over the full vocabulary, and its v."""
     pa, pb = wb.prefix_cache(a, layer), wb.prefix_cache(b, layer)
-    best, arg = float("inf"), -1
-    for ids in _chunks(wb.vocab_size, chunk, wb.device):
-        d = (wb.step(pa, ids).states - wb.step(pb, ids).states).norm(dim=-1)
-        j = int(d.argmin())
-        if float(d[j]) < best:
-            best, arg = float(d[j]), int(ids[j])
-    return best, arg
+    d = torch.cat(sweep(wb, pa, lambda ids, batch: (batch.states - wb.step(pb, ids).states).norm(dim=-1), chunk=chunk))
+    j = int(d.argmin())
+    return float(d[j]), j
 
 
 @torch.no_grad()

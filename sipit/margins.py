@@ -2,17 +2,20 @@
 
     Delta_t = min_{v != s_t} || mu_{p_t,v} - mu_{p_t,s_t} ||_2,   mu_{p,v} = Phi^l(p + v)_{|p|}
 
-For every position the prefix p_t = s_1..s_{t-1} is cached once (``WhiteBox.prefix_cache``), the
-whole vocabulary is stepped on it in chunks of ``chunk`` candidates (``WhiteBox.step``: one
-incremental position per candidate, no block above ``layer``), and the prefix is extended by the
-true token with ``CandidateBatch.extended`` (sliced from the chunk that holds it: no extra pass).
+This module is the one place Delta is computed. For every position the prefix p_t = s_1..s_{t-1}
+is cached once (``WhiteBox.prefix_cache``), the whole vocabulary is swept on it in chunks of
+``chunk`` candidates (:func:`sipit.sweep.sweep`: one incremental position per candidate, no block
+above ``layer``), and the prefix is extended by the true token with ``CandidateBatch.extended``
+(sliced from the chunk that holds it: no extra pass).
+
+- :func:`margins`: Delta_t and the nearest competitor at every position of a prompt;
+- :func:`position_margin`: the same for one position on a given prefix cache;
+- :func:`margin_from_states`: Delta from a full table mu_{p,.} ``(V, d)`` already at hand;
+- :func:`margin_from_distances`: Delta from the distances ``||mu_{p,v} - mu_{p,s}||`` ``(V,)``.
 
 Cost: T * V incremental candidate positions, the same number of token-positions as a plain
 batched forward of T * V tokens; the distances themselves are one (chunk, d) subtraction per
 chunk. Measured ratio to plain forwards: notes/issue-4.md.
-
-:func:`distances_to_all` is the one distance function over the full vocabulary; exact
-nearest-neighbour decoding (attacks.robust) uses it too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from sipit.sweep import sweep, sweep_distances
 from sipit.whitebox import PrefixCache, WhiteBox
+
+# The full-vocabulary distance function lives in sipit.sweep; this name is kept for the modules
+# that import it from here (benchmarks.run, benchmarks.experiments.margins_table).
+distances_to_all = sweep_distances
 
 
 @dataclass
@@ -49,66 +57,70 @@ class Margins:
         }
 
 
-def _chunks(vocab_size: int, chunk: int, device) -> list[torch.Tensor]:
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return list(torch.arange(vocab_size, device=device).split(chunk))
+@dataclass
+class PositionMargin:
+    """Delta at one position: the margin, the competitor attaining it, mu_{p,s} and the cache of p + s."""
+
+    delta: float
+    competitor: int
+    true_state: torch.Tensor  # (d,)
+    extended: PrefixCache
+
+
+def margin_from_distances(distances: torch.Tensor, token: int) -> tuple[float, int]:
+    """``(Delta, competitor)`` = min and argmin over v != ``token`` of ``distances`` (V,).
+
+    ``distances[v]`` = ||mu_{p,v} - mu_{p,s}||; the entry of ``token`` (the true token s) is
+    ignored, whatever it holds. The argument is not modified.
+    """
+    distances = distances.clone()
+    distances[token] = float("inf")
+    j = int(distances.argmin())
+    return float(distances[j]), j
+
+
+def margin_from_states(states: torch.Tensor, token: int) -> tuple[float, int]:
+    """``(Delta, competitor)`` from a full table ``states`` (V, d) = mu_{p,.}, row ``token`` = mu_{p,s}."""
+    return margin_from_distances((states - states[token]).norm(dim=-1), token)
 
 
 @torch.no_grad()
-def _fill_distances(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor, chunks, out: torch.Tensor) -> None:
-    target = target.to(device=whitebox.device, dtype=whitebox.embedding.weight.dtype)
-    for ids in chunks:
-        batch = whitebox.step(prefix, ids)
-        out[ids] = (batch.states - target).norm(dim=-1).float()
+def position_margin(whitebox: WhiteBox, prefix: PrefixCache, token: int, *, chunk: int = 1024) -> PositionMargin:
+    """Delta at the position after ``prefix`` whose true token is ``token``: one sweep of the vocabulary.
 
+    The chunk holding ``token`` is stepped first: its row is mu_{p,s} (the reference every
+    distance is measured from, computed by the same cached step as the competitors) and its cache
+    gives the extended prefix.
+    """
+    token = int(token)
+    distances = torch.empty(whitebox.vocab_size, dtype=torch.float32, device=whitebox.device)
+    true: dict = {}
 
-@torch.no_grad()
-def all_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024) -> torch.Tensor:
-    """mu_{p,v} for every token v of the vocabulary, ``(V, d)`` (chunked steps on the cached prefix)."""
-    return torch.cat([whitebox.step(prefix, ids).states for ids in _chunks(whitebox.vocab_size, chunk, whitebox.device)])
+    def reduce(ids: torch.Tensor, batch) -> None:
+        if not true:  # the chunk holding the true token
+            at = int((ids == token).nonzero()[0])
+            true["state"], true["extended"] = batch.states[at], batch.extended(at)
+        distances[ids] = (batch.states - true["state"]).norm(dim=-1).float()
 
-
-@torch.no_grad()
-def distances_to_all(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
-    """||mu_{p,v} - target||_2 for every token v of the vocabulary, ``(V,)`` (float32)."""
-    out = torch.empty(whitebox.vocab_size, dtype=torch.float32, device=whitebox.device)
-    _fill_distances(whitebox, prefix, target, _chunks(whitebox.vocab_size, chunk, whitebox.device), out)
-    return out
+    sweep(whitebox, prefix, reduce, chunk=chunk, first=token)
+    delta, competitor = margin_from_distances(distances, token)
+    return PositionMargin(delta, competitor, true["state"], true["extended"])
 
 
 @torch.no_grad()
 def margins(whitebox: WhiteBox, ids, layer: int, *, chunk: int = 1024, progress: bool = False) -> Margins:
-    """Exact Delta_t and nearest competitor for every position of ``ids`` at ``layer``.
-
-    Per position, the chunk holding the true token runs first: its row is mu_{p_t,s_t} (the
-    reference every distance is measured from) and its cache extends the prefix.
-    """
+    """Exact Delta_t and nearest competitor for every position of ``ids`` at ``layer``."""
     ids = whitebox.check_ids(ids)
     layer = whitebox.resolve_layer(layer)
-    chunks = _chunks(whitebox.vocab_size, chunk, whitebox.device)
-    size = chunks[0].numel()
     prefix = whitebox.prefix_cache(ids[:0], layer)
-    deltas, competitors, states = [], [], []
+    found = []
     for t in tqdm(range(ids.numel()), desc=f"margins l={layer}", disable=not progress, leave=False):
-        token = int(ids[t])
-        home = token // size
-        batch = whitebox.step(prefix, chunks[home])
-        at = token - int(chunks[home][0])
-        true_state = batch.states[at]
-        dist = torch.empty(whitebox.vocab_size, dtype=torch.float32, device=whitebox.device)
-        dist[chunks[home]] = (batch.states - true_state).norm(dim=-1).float()
-        _fill_distances(whitebox, prefix, true_state, chunks[:home] + chunks[home + 1 :], dist)
-        dist[token] = float("inf")
-        j = int(dist.argmin())
-        deltas.append(float(dist[j]))
-        competitors.append(j)
-        states.append(true_state)
-        prefix = batch.extended(at)
+        found.append(position_margin(whitebox, prefix, int(ids[t]), chunk=chunk))
+        prefix = found[-1].extended
     return Margins(
-        delta=torch.tensor(deltas),
-        competitor=torch.tensor(competitors, dtype=torch.long),
-        true_states=torch.stack(states),
+        delta=torch.tensor([m.delta for m in found]),
+        competitor=torch.tensor([m.competitor for m in found], dtype=torch.long),
+        true_states=torch.stack([m.true_state for m in found]),
         ids=ids.cpu(),
         layer=layer,
     )

@@ -7,6 +7,9 @@ this one table answers position 0 of every prompt: the observed h~_0 is (up to f
 noise) one of its rows, and the nearest rows are the candidates to verify first. It also gives
 the linear surrogate (attacks.surrogate) its design matrix.
 
+:func:`vocabulary_states` is the same table on any prefix p, mu_{p,v} = Phi^l(p + v)_{|p|}
+(position 0 is F itself), kept in memory only (a bounded LRU per WhiteBox).
+
 Cost: V single-position steps on the empty prefix, i.e. about a plain forward of V tokens up to
 layer l (smollm2-135m, 2 CPU cores: ~75 s at layer 30, ~2 s at layer 1). The table is computed
 once per (weights, layer), cached on disk under ``sipit.models.cache_dir() / "tables"`` and kept
@@ -26,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from sipit.memo import memoised
 from sipit.models import cache_dir
-from sipit.whitebox import WhiteBox
+from sipit.sweep import sweep_states
+from sipit.whitebox import PrefixCache, WhiteBox
+
+TABLE_MEMO_SIZE = 24  # per-prefix tables kept per WhiteBox (V x d each: 113 MB for smollm2)
 
 
 @dataclass
@@ -91,12 +97,9 @@ def _save(states: torch.Tensor, path: Path) -> None:
 
 @torch.no_grad()
 def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: bool = False) -> torch.Tensor:
-    """F_v = Phi^l(v)_0 for every v: chunked candidate steps on the empty prefix, ``(V, d)``."""
+    """F_v = Phi^l(v)_0 for every v: the vocabulary swept on the empty prefix, ``(V, d)``."""
     empty = whitebox.prefix_cache([], layer)
-    chunks = torch.arange(whitebox.vocab_size, device=whitebox.device).split(chunk)
-    rows = [whitebox.step(empty, ids).states
-            for ids in tqdm(chunks, desc=f"position-0 table l={layer}", disable=not progress, leave=False)]
-    return torch.cat(rows)
+    return sweep_states(whitebox, empty, chunk=chunk, progress=progress, desc=f"position-0 table l={layer}")
 
 
 def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True, progress: bool = False,
@@ -119,3 +122,15 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
                        time.perf_counter() - started, cached)
     whitebox.memo[key] = table
     return table
+
+
+def vocabulary_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024) -> torch.Tensor:
+    """mu_{p,v} for every token v on ``prefix``, ``(V, d)``: one sweep of the vocabulary.
+
+    Memoised per (layer, prefix tokens) in ``whitebox.memo["vocabulary-states"]`` (the
+    :data:`TABLE_MEMO_SIZE` most recently used); on the empty prefix it is the position-0 table.
+    """
+    if prefix.length == 0:
+        return position_zero_table(whitebox, prefix.layer, chunk=chunk).states
+    return memoised(whitebox, "vocabulary-states", (prefix.layer, prefix.tokens),
+                    lambda: sweep_states(whitebox, prefix, chunk=chunk), size=TABLE_MEMO_SIZE)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from attacks.robust import NearestNeighbour
-from sipit.margins import distances_to_all, margins
+from sipit.margins import margin_from_distances, margin_from_states, margins, position_margin
+from sipit.sweep import sweep_distances, sweep_states
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,12 +41,32 @@ def test_distances_to_all_does_not_depend_on_chunking(tiny):
     ids = prompt(lm, 3)
     prefix = wb.prefix_cache(ids, -1)
     target = torch.randn(wb.d, generator=torch.Generator().manual_seed(0))
-    a = distances_to_all(wb, prefix, target, chunk=512)
-    b = distances_to_all(wb, prefix, target, chunk=77)
+    a = sweep_distances(wb, prefix, target, chunk=512)
+    b = sweep_distances(wb, prefix, target, chunk=77)
     assert a.shape == (wb.vocab_size,)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError):
-        distances_to_all(wb, prefix, target, chunk=0)
+        sweep_distances(wb, prefix, target, chunk=0)
+
+
+def test_every_form_of_delta_agrees_with_margins(tiny):
+    """position_margin on a prefix cache, margin_from_states on a table and margin_from_distances on
+    a distance vector give margins()'s Delta_t and competitor."""
+    lm, wb = tiny
+    ids = prompt(lm, 3)
+    m = margins(wb, ids, 2, chunk=128)
+    for t in range(len(ids)):
+        prefix = wb.prefix_cache(ids[:t], 2)
+        one = position_margin(wb, prefix, ids[t], chunk=100)
+        assert one.delta == pytest.approx(float(m.delta[t]), rel=1e-5) and one.competitor == int(m.competitor[t])
+        torch.testing.assert_close(one.true_state, m.true_states[t], rtol=1e-5, atol=1e-6)
+        assert one.extended.tokens == tuple(ids[: t + 1])
+        delta, competitor = margin_from_states(sweep_states(wb, prefix), ids[t])
+        assert delta == pytest.approx(float(m.delta[t]), rel=1e-5) and competitor == int(m.competitor[t])
+        dist = sweep_distances(wb, prefix, m.true_states[t])
+        before = dist.clone()
+        assert margin_from_distances(dist, ids[t])[1] == int(m.competitor[t])
+        assert torch.equal(dist, before)  # the caller's vector is left as it was
 
 
 def test_theorem_is_tight_toward_the_nearest_competitor(tiny):
@@ -59,7 +80,7 @@ def test_theorem_is_tight_toward_the_nearest_competitor(tiny):
         direction = direction / direction.norm()
         for scale, recovered in [(0.49, True), (0.51, False)]:
             observed = m.true_states[t] + scale * float(m.delta[t]) * direction
-            dist = distances_to_all(wb, prefix, observed)
+            dist = sweep_distances(wb, prefix, observed)
             assert (int(dist.argmin()) == ids[t]) is recovered
 
 

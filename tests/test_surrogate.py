@@ -7,7 +7,7 @@ import torch
 
 from attacks.robust import BeamSipIt, CandidateScorer, MapDecoder, NearestNeighbour
 from attacks.surrogate import LinearSurrogate, first_token_states
-from sipit.margins import all_states
+from sipit.sweep import sweep_states
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,7 +22,7 @@ def test_at_layer_zero_the_surrogate_is_exact(tiny):
     lm, wb = tiny
     ids = _ids(lm)
     prefix = wb.prefix_cache(ids[:3], 0)
-    exact = all_states(wb, prefix, 256)
+    exact = sweep_states(wb, prefix, chunk=256)
     target = wb.states(ids, 0)[3] + 0.1 * torch.randn(wb.d, generator=torch.Generator().manual_seed(0))
     surrogate = LinearSurrogate(n_fit=128, lam=0.0)
     predicted = surrogate.predicted_sq_distances(wb, surrogate.fit(wb, prefix), target)
@@ -52,7 +52,7 @@ def test_surrogate_shortlist_finds_the_exact_nearest_neighbour_under_noise(tiny)
     agree = total = 0
     for t in range(1, len(ids)):
         prefix = wb.prefix_cache(ids[:t], -1)
-        every = all_states(wb, prefix, 512)
+        every = sweep_states(wb, prefix, chunk=512)
         for _ in range(4):
             observed = h[t] + 0.1 * torch.randn(wb.d, generator=g)
             scored = scorer.score(wb, prefix, observed, None, 0.1)

@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from defenses.base import Defense
+from sipit.memo import memoised
 from sipit.models import LoadedModel
 from sipit.whitebox import WhiteBox
 
@@ -89,9 +90,6 @@ def _context(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1024))
 
 
-_CLEAN: dict[tuple, tuple] = {}
-
-
 @torch.no_grad()
 def _nll_and_top1(model, ids: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per predicted token: negative log-likelihood and the argmax prediction."""
@@ -121,10 +119,9 @@ def utility_cost(
     started = time.perf_counter()
     ids = held_out_ids(clean.tokenizer, n_tokens, seed)
     window = min(window, _context(clean.model))
-    key = (clean.name, n_tokens, seed, window)
-    if key not in _CLEAN or _CLEAN[key][0] is not clean.model:
-        _CLEAN[key] = (clean.model, *_nll_and_top1(clean.model, ids, window))
-    _, nll_clean, top1_clean = _CLEAN[key]
+    # The clean model's losses on the slice: computed once per (slice, window), held by ``clean``.
+    nll_clean, top1_clean = memoised(clean, "utility-clean", (n_tokens, seed, window),
+                                     lambda: _nll_and_top1(clean.model, ids, window))
     served = defense.serve(clean, layer)
     if served.model is clean.model:
         nll_served, top1_served = nll_clean, top1_clean

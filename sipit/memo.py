@@ -2,12 +2,14 @@
 
 A result derived from one model alone (a vocabulary table, a surrogate fit, a design matrix) is
 kept in the ``memo`` dict of the object that owns that model -- :class:`sipit.whitebox.WhiteBox`
-(``WhiteBox.memo``) -- so it lives exactly as long as the model's WhiteBox and can never be
-served to another model. Each kind of result has its own family, ``owner.memo[family]`` (an
-``OrderedDict`` of key -> value); a family with a ``size`` is a bounded LRU.
+(``WhiteBox.memo``) or :class:`sipit.models.LoadedModel` (``LoadedModel.memo``) -- so it lives
+exactly as long as its owner and can never be served to another model. Each kind of result has
+its own family, ``owner.memo[family]`` (an ``OrderedDict`` of key -> value); a family with a
+``size`` is a bounded LRU.
 
-Families in use: ``"vocabulary-states"`` (sipit.vocab_table), ``"surrogate-design"`` and
-``"surrogate-fits"`` (attacks.surrogate).
+Families in use: on the WhiteBox ``"vocabulary-states"`` (sipit.vocab_table),
+``"surrogate-design"`` and ``"surrogate-fits"`` (attacks.surrogate); on the LoadedModel
+``"utility-clean"`` (defenses.utility).
 """
 
 from __future__ import annotations

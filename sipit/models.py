@@ -57,6 +57,9 @@ class LoadedModel:
     name: str
     #: served copies derived from this model (defenses.base.Defense.served_copy): one at a time
     served: dict = field(default_factory=dict, repr=False, compare=False)
+    #: results computed from this model and its tokenizer, by family (sipit.memo), e.g. the clean
+    #: model's losses on the utility text (defenses.utility): they live as long as the model
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def cache_dir() -> Path:

@@ -97,10 +97,11 @@ class SoftmaxHead(nn.Module):
         return self.classes[self.forward(h).argmax(dim=-1)]
 
     @torch.no_grad()
-    def invert(self, observed: torch.Tensor, whitebox=None, layer: int | None = None, tokenizer=None) -> Inversion:
+    def invert(self, observed: torch.Tensor, whitebox=None, layer: int | None = None, tokenizer=None,
+               length: int | None = None) -> Inversion:
         """Classify every observed state independently (no forward pass: candidates_tried = 0)."""
         if whitebox is not None:
-            observed = whitebox.check_states(observed)
+            observed = whitebox.check_states(observed, length)
         started = time.perf_counter()
         ids = self.predict(observed.cpu()).tolist()
         seconds = time.perf_counter() - started

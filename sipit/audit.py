@@ -6,7 +6,7 @@ one-token extension v of ||Phi^l(a + v)_last - Phi^l(b + v)_last|| (full vocabul
 cached steps on each prompt's prefix cache). :func:`table` formats a row like the paper's Table 1.
 CLI (benchmarks side, so sipit/ imports nothing from benchmarks):
 
-    python -m benchmarks.margins_table --model smollm2-135m --audit-prompts 50 --audit-pairs 1 \
+    python -m benchmarks.experiments.margins_table --model smollm2-135m --audit-prompts 50 --audit-pairs 1 \
         --positions 0 --out runs/audit
 """
 

@@ -33,7 +33,7 @@ from typing import Callable
 
 from attacks.policies import GradientPolicy, RandomPolicy
 from attacks.pooled import PooledBeamAttack
-from attacks.robust import GRADIENT_SHORTLIST, BeamSipIt, MapDecoder, NearestNeighbour
+from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
 from attacks.sipit import SipIt
 
 
@@ -77,7 +77,7 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
     "map": lambda e, o: MapDecoder(e.sigma, **(o.shortlist or {})),
-    "beam": lambda e, o: BeamSipIt(e.sigma, width=o.beam_width, **(o.shortlist or {})),
+    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, **(o.shortlist or {})),
     "pooled-beam": _pooled,
 }
 #: --robust choice -> the decoder used under Gaussian noise

@@ -8,25 +8,26 @@ radius used for ``PositionRecord.radius`` is ``sigma * sqrt(chi2.ppf(1 - alpha, 
 ``acceptance_radius(h~_t) / sqrt(d)`` (sipit.tolerance), so every decoder degrades to exact
 SipIt acceptance at sigma = 0.
 
-Decoders (all expose ``name`` and ``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
+One search, :class:`MapBeamSearch`, over prefixes scored by the summed log-likelihood
+sum_t [-||mu - h~_t||^2 / (2 sigma^2) + log P(s_t | p_t)] (the prior term optional), with
+backtracking: when the best squared distance at step t is implausible (chi2 tail
+P(chi^2_d >= d2 / sigma^2) < alpha), the next-best pruned hypotheses for position t-1 are revived
+(``width`` per round, at most ``max_backtracks`` rounds per call) and expanded at t alongside the
+beam; the summed score picks the survivors, so a wrong commit at t-1 is undone while an outlier at
+t itself (every prefix equally bad) leaves the best prefix in place. Backtracking reaches one
+position back. The greedy decoders are this search of width 1 without backtracking (all expose
+``name`` and ``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
 
-- :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t||. Stopping rules:
-  ``exact``: the whole vocabulary is scored (chunked, :func:`sipit.sweep.sweep_distances`);
-  provably the nearest neighbour (no bound cheaper than a full scan is known to us).
-  ``heuristic``: candidates in the policy's order (gradient + prior), in growing batches; stop as
-  soon as the best so far lies inside the noise radius (or after ``max_candidates``). It can stop
-  on a wrong token that happens to lie inside the radius; benchmarks.experiments.noise measures how often.
-  ``shortlist``: argmin over the shared shortlist (below), for a like-for-like comparison with
-  MAP and beam.
+- :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t|| (the prior scores nothing). Candidates:
+  ``exact``: the whole vocabulary (chunked, :func:`sipit.sweep.sweep_distances`); provably the
+  nearest neighbour (no bound cheaper than a full scan is known to us).
+  ``heuristic`` (:class:`RadiusScorer`): SipIt's own loop (attacks.sipit.verify: the policy's
+  order, growing batches) until the best so far lies inside the noise radius (or after
+  ``max_candidates``). It can stop on a wrong token that happens to lie inside the radius;
+  benchmarks.experiments.noise measures how often.
+  ``shortlist``: the shared shortlist (below), for a like-for-like comparison with MAP and beam.
 - :class:`MapDecoder` — argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), prior =
   the model's own next-token distribution (sipit.prior.NextTokenPrior).
-- :class:`BeamSipIt` — beam over prefixes scored by the summed log-likelihood
-  sum_t [-||mu - h~_t||^2 / (2 sigma^2) + log P(s_t | p_t)], with backtracking: when the best
-  squared distance at step t is implausible (chi2 tail P(chi^2_d >= d2 / sigma^2) < alpha), the
-  next-best pruned hypotheses for position t-1 are revived (``width`` per round, at most
-  ``max_backtracks`` rounds per call) and expanded at t alongside the beam; the summed score picks
-  the survivors, so a wrong commit at t-1 is undone while an outlier at t itself (every prefix
-  equally bad) leaves the best prefix in place. Backtracking reaches one position back.
 
 Candidate restriction (HEURISTIC unless ``exact=True``): MAP, beam and NN-``shortlist`` score a
 shortlist per position (:class:`CandidateScorer`): the prior's top ``k_prior`` tokens, the
@@ -51,6 +52,7 @@ from scipy.stats import chi2
 
 from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
+from attacks.sipit import verify
 from attacks.surrogate import LinearSurrogate, SurrogateFit
 from sipit.sweep import sweep_distances
 from sipit.vocab_table import vocabulary_states
@@ -258,111 +260,28 @@ def _inversion(records: list[PositionRecord], started: float, whitebox: WhiteBox
                      positions=records, seconds=time.perf_counter() - started, vocab_size=whitebox.vocab_size)
 
 
-class _Greedy:
-    """Left-to-right loop shared by NN and MAP: choose(scored, prior, sigma_t) picks one token."""
+class RadiusScorer:
+    """The candidates SipIt's own loop verifies (attacks.sipit.verify: the policy's order, batches
+    doubling from ``batch_size``) until the nearest lies inside the chi-square noise radius
+    sigma * sqrt(chi2_d(1 - alpha)), or ``max_candidates`` (default: the vocabulary) are tried.
+    HEURISTIC: it can stop on a wrong token that happens to lie inside the radius."""
 
-    name = "greedy"
-    uses_prior = False
+    exact = False
 
-    def __init__(self, sigma: float, *, alpha: float, rel_tol: float, scorer: CandidateScorer, progress: bool):
-        _check(sigma, alpha, rel_tol)
-        self.sigma, self.alpha, self.rel_tol, self.scorer, self.progress = sigma, alpha, rel_tol, scorer, progress
-        self.last_candidates: list[torch.Tensor] = []  # candidates scored per position (last call)
-
-    def choose(self, scored: Scored, prior: torch.Tensor | None, sigma: float) -> int:
-        raise NotImplementedError
-
-    def decode_position(self, whitebox, prefix, target, prior, sigma, radius) -> tuple[int, float, int]:
-        scored = self.scorer.score(whitebox, prefix, target, prior, sigma)
-        self.last_candidates.append(scored.candidates)
-        j = self.choose(scored, prior, sigma)
-        return int(scored.candidates[j]), float(scored.distances[j]), int(scored.candidates.numel())
-
-    def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
-               length: int | None = None) -> Inversion:
-        layer = whitebox.resolve_layer(layer)
-        observed = whitebox.check_states(observed, length)
-        sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
-        prior = NextTokenPrior(whitebox.model) if self.uses_prior else None
-        prefix = whitebox.prefix_cache([], layer)
-        self.last_candidates = []
-        records: list[PositionRecord] = []
-        started = time.perf_counter()
-        for t in range(observed.shape[0]):
-            t0 = time.perf_counter()
-            radius = chi2_radius(sigmas[t], whitebox.d, self.alpha)
-            token, dist, tried = self.decode_position(
-                whitebox, prefix, observed[t], prior.logprobs if prior is not None else None, sigmas[t], radius)
-            records.append(_record(t, token, dist, radius, tried, time.perf_counter() - t0))
-            if t + 1 < observed.shape[0]:
-                prefix = whitebox.extend(prefix, token)
-                if prior is not None:
-                    prior.push(token)
-        return _inversion(records, started, whitebox, tokenizer)
-
-
-class NearestNeighbour(_Greedy):
-    """argmin_v ||mu_{p_t,v} - h~_t|| with an exact, heuristic or shortlist stopping rule."""
-
-    name = "nn"
-
-    def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
-                 alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
-                 max_candidates: int | None = None, progress: bool = False, **shortlist):
-        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
-        if stop not in STOP_RULES:
-            raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
-        scorer = CandidateScorer(exact=stop == "exact", alpha=alpha, **shortlist)
-        super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
-        self.stop = stop
-        self.uses_prior = stop != "exact"  # the prior only orders candidates, never decides
+    def __init__(self, policy: CandidatePolicy | None = None, *, alpha: float = 1e-3, batch_size: int = 16,
+                 max_candidates: int | None = None):
         self.policy = policy if policy is not None else GradientPolicy()
-        self.batch_size = batch_size
-        self.max_candidates = max_candidates
-        self.name = "nn" if stop == "exact" else f"nn-{stop}"
+        self.alpha, self.batch_size, self.max_candidates = alpha, batch_size, max_candidates
 
-    def choose(self, scored: Scored, prior, sigma: float) -> int:
-        return int(scored.distances.argmin())
-
-    def decode_position(self, whitebox, prefix, target, prior, sigma, radius):
-        if self.stop != "heuristic":
-            return super().decode_position(whitebox, prefix, target, prior, sigma, radius)
-        ctx = StepContext(whitebox, prefix, target, prior, torch.Generator().manual_seed(prefix.length))
+    def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
+              prior_logprobs: torch.Tensor | None, sigma: float | None = None, borrow: bool = False) -> Scored:
+        radius = chi2_radius(sigma, whitebox.d, self.alpha)
+        ctx = StepContext(whitebox, prefix, target, prior_logprobs, torch.Generator().manual_seed(prefix.length))
         self.policy.start(ctx)
-        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
-        cap = whitebox.vocab_size if self.max_candidates is None else min(self.max_candidates, whitebox.vocab_size)
-        best, best_token, size = float("inf"), -1, self.batch_size
-        while int(tried.sum()) < cap:
-            cands = self.policy.propose(ctx, tried, min(size, cap - int(tried.sum())))
-            if cands.numel() == 0:
-                break
-            dist = (whitebox.step(prefix, cands).states - target).norm(dim=-1)
-            tried[cands] = True
-            j = int(dist.argmin())
-            if float(dist[j]) < best:
-                best, best_token = float(dist[j]), int(cands[j])
-                ctx.anchor = best_token
-            if best <= radius:
-                break
-            size *= 2
-        self.last_candidates.append(tried.nonzero().flatten())
-        return best_token, best, int(tried.sum())
-
-
-class MapDecoder(_Greedy):
-    """argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), greedy left to right."""
-
-    name = "map"
-    uses_prior = True
-
-    def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
-                 progress: bool = False, **shortlist):
-        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
-        scorer = CandidateScorer(exact=exact, alpha=alpha, **shortlist)
-        super().__init__(sigma, alpha=alpha, rel_tol=rel_tol, scorer=scorer, progress=progress)
-
-    def choose(self, scored: Scored, prior, sigma: float) -> int:
-        return int(map_scores(scored, prior, sigma).argmin())
+        cap = whitebox.vocab_size if self.max_candidates is None else self.max_candidates
+        found = verify(whitebox, prefix, target, radius, self.policy, ctx, first_batch=self.batch_size, max_batch=cap,
+                       cap=cap)
+        return Scored(torch.cat(found.ids).cpu(), torch.cat(found.distances).float().cpu())
 
 
 def map_scores(scored: Scored, prior: torch.Tensor | None, sigma: float) -> torch.Tensor:
@@ -380,7 +299,7 @@ class _Pending:
     neg_score: float
     token: int = field(compare=False)
     distance: float = field(compare=False)
-    tried: int = field(compare=False)
+    candidates: torch.Tensor = field(compare=False)  # every candidate scored at this position
     parent: "_Hyp" = field(compare=False)
 
 
@@ -391,24 +310,29 @@ class _Hyp:
     score: float
     prefix: PrefixCache | None  # cache of tokens[:-1] + tokens[-1] once materialised
     prior: NextTokenPrior | None
+    candidates: list[torch.Tensor]  # the candidates scored at each position of the path
 
 
-class BeamSipIt:
-    """Beam search over prefixes with chi-square backtracking (see module docstring)."""
+class MapBeamSearch:
+    """Beam search over prefixes scored by the summed Gaussian log-likelihood plus log prior, with
+    chi-square backtracking (module docstring). Greedy decoding is this search of width 1 without
+    backtracking: :class:`MapDecoder` (MAP), :class:`NearestNeighbour` (distance only)."""
 
     name = "beam"
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
-                 progress: bool = False, **shortlist):
-        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
+                 progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
+        """``scorer``: the candidates scored per position (default: a :class:`CandidateScorer` with
+        ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
         _check(sigma, alpha, rel_tol)
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
-        self.scorer = CandidateScorer(exact=exact, alpha=alpha, **shortlist)
+        self.scorer = scorer if scorer is not None else CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         self.backtracks = 0  # of the last call
+        self.last_candidates: list[torch.Tensor] = []  # candidates scored per position on the returned path
 
     def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius, widen: bool = True) -> list[_Pending]:
         """Score hyp's children. Only the best hypothesis (``widen``) gets extra rounds and its own
@@ -419,19 +343,20 @@ class BeamSipIt:
         k = min(self.width, loglik.numel())
         top = torch.topk(loglik, k).indices
         return [_Pending(-(hyp.score + float(loglik[j])), int(scored.candidates[j]), float(scored.distances[j]),
-                         int(scored.candidates.numel()), hyp) for j in top.tolist()]
+                         scored.candidates, hyp) for j in top.tolist()]
 
     def _materialise(self, p: _Pending, whitebox, radius: float, seconds: float, last: bool) -> _Hyp:
         parent = p.parent
         t = len(parent.tokens)
-        record = _record(t, p.token, p.distance, radius, p.tried, seconds)
+        record = _record(t, p.token, p.distance, radius, int(p.candidates.numel()), seconds)
         prefix, prior = None, None
         if not last:
             prefix = whitebox.extend(parent.prefix, p.token)
             if parent.prior is not None:
                 prior = parent.prior.fork()
                 prior.push(p.token)
-        return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior)
+        return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior,
+                    parent.candidates + [p.candidates])
 
     def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
                length: int | None = None) -> Inversion:
@@ -442,7 +367,7 @@ class BeamSipIt:
         radii = [chi2_radius(s, whitebox.d, self.alpha) for s in sigmas]
         # The prior also orders the shortlist, so it is streamed even when it does not score.
         root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
-        root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior)
+        root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [])
         started = time.perf_counter()
         beams: list[list[_Hyp]] = [[root]]  # beams[t] = hypotheses holding t tokens
         reserve: list[list[_Pending]] = [[]]  # reserve[t] = pruned children of beams[t-1], as a heap
@@ -472,4 +397,37 @@ class BeamSipIt:
             beams.append([self._materialise(p, whitebox, radii[t], secs, t + 1 == T) for p in took])
             reserve.append(pending)
         best = max(beams[T], key=lambda h: h.score)
+        self.last_candidates = best.candidates
         return _inversion(best.records, started, whitebox, tokenizer)
+
+
+class MapDecoder(MapBeamSearch):
+    """argmin_v ||mu_v - h~_t||^2 / (2 sigma^2) - log P(v | p_t), greedy left to right (width 1)."""
+
+    name = "map"
+
+    def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
+                 progress: bool = False, **shortlist):
+        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
+        super().__init__(sigma, width=1, prior=True, backtrack=False, alpha=alpha, rel_tol=rel_tol, exact=exact,
+                         progress=progress, **shortlist)
+
+
+class NearestNeighbour(MapBeamSearch):
+    """argmin_v ||mu_{p_t,v} - h~_t||, greedy left to right (width 1, the prior scores nothing), over
+    the whole vocabulary (``stop="exact"``), the shared shortlist (``"shortlist"``) or the
+    candidates SipIt's loop verifies until one lies inside the noise radius (``"heuristic"``,
+    :class:`RadiusScorer`)."""
+
+    def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
+                 alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
+                 max_candidates: int | None = None, progress: bool = False, **shortlist):
+        """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
+        if stop not in STOP_RULES:
+            raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
+        scorer = (RadiusScorer(policy, alpha=alpha, batch_size=batch_size, max_candidates=max_candidates)
+                  if stop == "heuristic" else CandidateScorer(exact=stop == "exact", alpha=alpha, **shortlist))
+        super().__init__(sigma, width=1, prior=False, backtrack=False, alpha=alpha, rel_tol=rel_tol, progress=progress,
+                         scorer=scorer)
+        self.stop = stop
+        self.name = "nn" if stop == "exact" else f"nn-{stop}"

@@ -25,6 +25,7 @@ is interleaved with the model's own next-token prior.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -114,29 +115,60 @@ class SipIt:
         started = time.perf_counter()
         ctx = StepContext(whitebox, prefix, target, prior, generator)
         self.policy.start(ctx)
-        tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
-        best_distance, best_token, best_prefix = float("inf"), -1, prefix
-        batch_size = self.batch_size
-        while not bool(tried.all()):
-            candidates = self.policy.propose(ctx, tried, batch_size)
-            batch = whitebox.step(prefix, candidates)
-            distances = (batch.states - target).norm(dim=-1)
-            tried[candidates] = True
-            j = int(distances.argmin())
-            if float(distances[j]) < best_distance:
-                best_distance, best_token = float(distances[j]), int(candidates[j])
-                best_prefix = batch.extended(j)
-                ctx.anchor = best_token
-            if best_distance <= radius:
-                break
-            batch_size = min(2 * batch_size, self.max_batch)
+        found = verify(whitebox, prefix, target, radius, self.policy, ctx,
+                       first_batch=self.batch_size, max_batch=self.max_batch)
         record = PositionRecord(
             position=prefix.length,
-            token=best_token,
-            distance=best_distance,
+            token=found.token,
+            distance=found.distance,
             radius=radius,
-            candidates_tried=int(tried.sum()),
+            candidates_tried=found.tried,
             seconds=time.perf_counter() - started,
-            verified=best_distance <= radius,
+            verified=found.distance <= radius,
         )
-        return record, best_prefix
+        return record, found.prefix
+
+
+@dataclass
+class Verified:
+    """What :func:`verify` found at one position: the nearest candidate, its distance, the prefix
+    extended by it, and every candidate verified (ids and distances, batch by batch)."""
+
+    token: int
+    distance: float
+    prefix: PrefixCache
+    ids: list[torch.Tensor]
+    distances: list[torch.Tensor]
+
+    @property
+    def tried(self) -> int:
+        return sum(int(i.numel()) for i in self.ids)
+
+
+def verify(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor, radius: float, policy: CandidatePolicy,
+           ctx: StepContext, *, first_batch: int, max_batch: int, cap: int | None = None) -> Verified:
+    """SipIt's inner loop: candidates in ``policy``'s order, verified on the cached prefix in batches
+    doubling from ``first_batch`` to ``max_batch``, until the nearest so far lies within ``radius``
+    of ``target`` or ``cap`` candidates (default: the whole vocabulary) have been tried."""
+    cap = whitebox.vocab_size if cap is None else min(cap, whitebox.vocab_size)
+    tried = torch.zeros(whitebox.vocab_size, dtype=torch.bool)
+    found = Verified(-1, float("inf"), prefix, [], [])
+    batch_size = first_batch
+    while found.tried < cap:
+        candidates = policy.propose(ctx, tried, min(batch_size, cap - found.tried))
+        if candidates.numel() == 0:
+            break
+        batch = whitebox.step(prefix, candidates)
+        distances = (batch.states - target).norm(dim=-1)
+        tried[candidates] = True
+        found.ids.append(candidates)
+        found.distances.append(distances)
+        j = int(distances.argmin())
+        if float(distances[j]) < found.distance:
+            found.distance, found.token = float(distances[j]), int(candidates[j])
+            found.prefix = batch.extended(j)
+            ctx.anchor = found.token
+        if found.distance <= radius:
+            break
+        batch_size = min(2 * batch_size, max_batch)
+    return found

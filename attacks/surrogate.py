@@ -33,7 +33,6 @@ import torch
 from sipit.memo import is_memoised, memoised
 from sipit.sweep import sweep_states
 from sipit.vocab_table import position_zero_table
-from sipit.vocab_table import vocabulary_states  # noqa: F401 -- re-exported for benchmarks.experiments.noise
 from sipit.whitebox import PrefixCache, WhiteBox
 
 # Held by the WhiteBox (sipit.memo): whitebox.memo["surrogate-design"][layer] = the (V, d+1)

@@ -364,7 +364,8 @@ def _run(state: _State, tracker, config: RunConfig, loaded, clean_wb, layer: int
 def _margins(exposed, margin_positions: int, seed: int, all_norms: list[float], progress: bool) -> dict:
     """Delta_t over the full vocabulary (sipit.margins) on a seeded subset of (prompt, position) pairs."""
     from benchmarks.metrics import median
-    from sipit.margins import distances_to_all
+    from sipit.margins import margin_from_distances
+    from sipit.sweep import sweep_distances
 
     started = time.perf_counter()
     truths, wb, layer = exposed.prompt_ids, exposed.attacker_wb, exposed.layer
@@ -379,9 +380,7 @@ def _margins(exposed, margin_positions: int, seed: int, all_norms: list[float], 
         ids = torch.tensor(truths[i])
         prefix = wb.prefix_cache(ids[:t], layer)
         mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
-        dist = distances_to_all(wb, prefix, mu_true)
-        dist[int(ids[t])] = float("inf")
-        deltas[(i, t)] = float(dist.min())
+        deltas[(i, t)] = margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
     return {
         "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
         "median_half_delta": median([d / 2 for d in deltas.values()]),

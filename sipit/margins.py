@@ -25,12 +25,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from sipit.sweep import sweep, sweep_distances
+from sipit.sweep import sweep
 from sipit.whitebox import PrefixCache, WhiteBox
-
-# The full-vocabulary distance function lives in sipit.sweep; this name is kept for the modules
-# that import it from here (benchmarks.run, benchmarks.experiments.margins_table).
-distances_to_all = sweep_distances
 
 
 @dataclass

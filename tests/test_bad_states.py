@@ -8,7 +8,7 @@ import torch
 
 from attacks.policies import GradientPolicy
 from attacks.result import layer_hint
-from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour, _record
+from attacks.robust import MapBeamSearch, MapDecoder, NearestNeighbour, _record
 from attacks.sipit import SipIt
 from defenses.base import DefenseParamError
 from defenses.tying import WeightTying
@@ -24,7 +24,7 @@ def ids_of(loaded, text=TEXT):
 
 def every_attack():
     return [SipIt(GradientPolicy()), NearestNeighbour(stop="exact"), NearestNeighbour(stop="heuristic", sigma=0.1),
-            MapDecoder(0.1, exact=True), BeamSipIt(0.1, width=2, exact=True)]
+            MapDecoder(0.1, exact=True), MapBeamSearch(0.1, width=2, exact=True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
@@ -77,7 +77,7 @@ def test_non_finite_or_non_positive_rel_tol_is_refused(tiny_llama, rel_tol):
 
 
 @pytest.mark.parametrize("make", [lambda r: NearestNeighbour(rel_tol=r), lambda r: MapDecoder(0.1, rel_tol=r),
-                                  lambda r: BeamSipIt(0.1, rel_tol=r)])
+                                  lambda r: MapBeamSearch(0.1, rel_tol=r)])
 def test_robust_decoders_refuse_nan_rel_tol_when_built(make):
     with pytest.raises(SipitInputError, match="rel_tol"):
         make(math.nan)

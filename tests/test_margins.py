@@ -36,7 +36,7 @@ def test_margins_equal_bruteforce_full_forwards(tiny, layer):
     assert m.to_dict()["delta"] == m.delta.tolist()
 
 
-def test_distances_to_all_does_not_depend_on_chunking(tiny):
+def test_sweep_distances_do_not_depend_on_chunking(tiny):
     lm, wb = tiny
     ids = prompt(lm, 3)
     prefix = wb.prefix_cache(ids, -1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attacks.robust import BeamSipIt, MapDecoder, NearestNeighbour, chi2_radius, implausible
+from attacks.robust import MapBeamSearch, MapDecoder, NearestNeighbour, chi2_radius, implausible
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,8 +29,8 @@ def all_decoders(sigma: float):
         NearestNeighbour(stop="shortlist", sigma=sigma),
         MapDecoder(sigma),
         MapDecoder(sigma, exact=True),
-        BeamSipIt(sigma),
-        BeamSipIt(sigma, exact=True),
+        MapBeamSearch(sigma),
+        MapBeamSearch(sigma, exact=True),
     ]
 
 
@@ -46,20 +46,28 @@ def test_sigma_zero_every_decoder_recovers_exactly(tiny):
             assert all(r.radius > 0 for r in inv.positions)
 
 
-def test_beam_width_one_equals_greedy(tiny):
+def test_greedy_decoders_pick_the_per_position_optimum_on_their_own_prefix(tiny):
+    """Width-1 search = greedy: each token is the argmin, over the whole vocabulary stepped on the
+    prefix decoded so far, of the distance (NN) or of d^2 / (2 sigma_t^2) - log P(v | prefix) (MAP)."""
+    from attacks.robust import effective_sigmas
+    from sipit.prior import NextTokenPrior
+    from sipit.sweep import sweep_distances
+
     lm, wb = tiny
     (ids,) = sampled_prompts(lm, 1, 8, seed=3)
-    h = wb.states(ids, -1)
     sigma = 0.05
-    observed = h + sigma * torch.randn(h.shape, generator=torch.Generator().manual_seed(0))
-    for exact in [True, False]:
-        greedy_nn = NearestNeighbour(stop="exact" if exact else "shortlist", sigma=sigma).invert(observed, wb, -1)
-        beam_nn = BeamSipIt(sigma, width=1, prior=False, backtrack=False, exact=exact).invert(observed, wb, -1)
-        assert beam_nn.ids == greedy_nn.ids
-        greedy_map = MapDecoder(sigma, exact=exact).invert(observed, wb, -1)
-        beam_map = BeamSipIt(sigma, width=1, prior=True, backtrack=False, exact=exact).invert(observed, wb, -1)
-        assert beam_map.ids == greedy_map.ids
-    assert greedy_nn.ids != ids  # the noise is large enough to matter
+    observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(0))
+    nn = NearestNeighbour(stop="exact", sigma=sigma).invert(observed, wb, -1)
+    mp = MapDecoder(sigma, exact=True).invert(observed, wb, -1)
+    sigmas = effective_sigmas(observed, sigma, 1e-4)
+    for decoded, uses_prior in ((nn.ids, False), (mp.ids, True)):
+        prior = NextTokenPrior(wb.model)
+        for t, token in enumerate(decoded):
+            dist = sweep_distances(wb, wb.prefix_cache(decoded[:t], -1), observed[t]).double()
+            energy = dist**2 / (2 * sigmas[t] ** 2) - (prior.logprobs.double() if uses_prior else 0)
+            assert token == int(energy.argmin()), (uses_prior, t)
+            prior.push(token)
+    assert nn.ids != ids  # the noise is large enough to matter
 
 
 def test_beam_with_prior_recovers_at_least_as_many_tokens_as_greedy(tiny):
@@ -70,7 +78,7 @@ def test_beam_with_prior_recovers_at_least_as_many_tokens_as_greedy(tiny):
         h = wb.states(ids, -1)
         observed = h + sigma * torch.randn(h.shape, generator=torch.Generator().manual_seed(i))
         g = NearestNeighbour(stop="exact", sigma=sigma).invert(observed, wb, -1)
-        b = BeamSipIt(sigma, width=4, prior=True, exact=True).invert(observed, wb, -1)
+        b = MapBeamSearch(sigma, width=4, prior=True, exact=True).invert(observed, wb, -1)
         greedy += sum(a == s for a, s in zip(g.ids, ids))
         beam += sum(a == s for a, s in zip(b.ids, ids))
         total += len(ids)
@@ -85,7 +93,7 @@ def test_backtracking_fires_on_an_implausible_step(tiny):
     h = wb.states(ids, -1).clone()
     sigma = 1e-3
     h[3] += 50 * sigma * math.sqrt(wb.d) * torch.nn.functional.normalize(torch.ones(wb.d), dim=0)
-    beam = BeamSipIt(sigma, width=2, exact=True, max_backtracks=3)
+    beam = MapBeamSearch(sigma, width=2, exact=True, max_backtracks=3)
     inv = beam.invert(h, wb, -1)
     assert 1 <= beam.backtracks <= 3
     assert len(inv.ids) == len(ids)
@@ -109,6 +117,6 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         MapDecoder(-1.0)
     with pytest.raises(ValueError):
-        BeamSipIt(0.1, width=0)
+        MapBeamSearch(0.1, width=0)
     with pytest.raises(ValueError):
-        BeamSipIt(0.1, alpha=1.5)
+        MapBeamSearch(0.1, alpha=1.5)

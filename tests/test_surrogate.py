@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attacks.robust import BeamSipIt, CandidateScorer, MapDecoder, NearestNeighbour
+from attacks.robust import CandidateScorer, MapDecoder, NearestNeighbour
 from attacks.surrogate import LinearSurrogate, first_token_states
 from sipit.sweep import sweep_states
 
@@ -64,16 +64,19 @@ def test_surrogate_shortlist_finds_the_exact_nearest_neighbour_under_noise(tiny)
     assert agree / total >= 0.9
 
 
-def test_beam_width_one_equals_greedy_on_the_surrogate_shortlist(tiny):
+def test_shortlist_nearest_neighbour_picks_the_nearest_candidate_it_scored(tiny):
     lm, wb = tiny
     ids = _ids(lm, 8)
     sigma = 0.05
     observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(1))
-    kw = dict(n_fit=96, k_proxy=16)
-    assert (BeamSipIt(sigma, width=1, prior=False, backtrack=False, **kw).invert(observed, wb, -1).ids
-            == NearestNeighbour(stop="shortlist", sigma=sigma, **kw).invert(observed, wb, -1).ids)
-    assert (BeamSipIt(sigma, width=1, prior=True, backtrack=False, **kw).invert(observed, wb, -1).ids
-            == MapDecoder(sigma, **kw).invert(observed, wb, -1).ids)
+    nn = NearestNeighbour(stop="shortlist", sigma=sigma, n_fit=96, k_proxy=16)
+    inv = nn.invert(observed, wb, -1)
+    assert len(nn.last_candidates) == len(ids)
+    for t, (token, cands) in enumerate(zip(inv.ids, nn.last_candidates)):
+        states = wb.step(wb.prefix_cache(inv.ids[:t], -1), cands).states
+        assert token == int(cands[(states - observed[t]).norm(dim=-1).argmin()])
+        assert inv.positions[t].candidates_tried == cands.numel()
+    assert max(c.numel() for c in nn.last_candidates[2:]) < wb.vocab_size  # a shortlist past the exact positions
 
 
 def test_bad_surrogate_options_raise():

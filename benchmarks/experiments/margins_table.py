@@ -25,7 +25,7 @@ import torch
 from benchmarks.cli import arg, check_int, default_out_dir, run_main
 from benchmarks.experiments.speed import check_layer_spec, named_layers
 from sipit.audit import audit, table
-from sipit.margins import distances_to_all, margins
+from sipit.margins import margins, position_margin
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.whitebox import WhiteBox
 
@@ -51,8 +51,7 @@ def speed_ratio(wb: WhiteBox, ids: list[int], layer: int, chunk: int = 1024) -> 
     wb.step(prefix, torch.arange(min(chunk, wb.vocab_size)))  # warm-up, not timed
     # Margin at position t on the cached prefix (the work margins() does per position).
     started = time.perf_counter()
-    true_state = wb.step(prefix, torch.tensor([ids[t]])).states[0]
-    distances_to_all(wb, prefix, true_state, chunk=chunk)
+    position_margin(wb, prefix, ids[t], chunk=chunk)
     margin_s = time.perf_counter() - started
     started = time.perf_counter()
     for c in torch.arange(wb.vocab_size).split(chunk):

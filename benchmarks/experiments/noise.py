@@ -38,11 +38,12 @@ import torch
 
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
-from attacks.surrogate import vocabulary_states
 from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, run_main
 from benchmarks.experiments.margins_table import load_ids
+from sipit.margins import margin_from_states
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
+from sipit.vocab_table import vocabulary_states
 from sipit.whitebox import WhiteBox
 
 MIN_PLOTTED = 10  # free-running positions a ratio bin needs before the plot draws it
@@ -64,9 +65,7 @@ def exact_part(wb, prompts, layer, sigmas, draws, positions, chunk, seed) -> tup
         for t in range(min(positions, len(ids))):
             s = ids[t]
             mu = tables[(p, t)] = vocabulary_states(wb, prefix, chunk)  # memoised: the decoders reuse it
-            d_true = (mu - mu[s]).norm(dim=-1)
-            d_true[s] = math.inf
-            delta, competitor = float(d_true.min()), int(d_true.argmin())
+            delta, competitor = margin_from_states(mu, s)
             logp = prior.logprobs.double() if prior.logprobs is not None else torch.zeros(wb.vocab_size, dtype=torch.float64)
             for sigma in sigmas:
                 for k in range(draws):

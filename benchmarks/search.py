@@ -47,7 +47,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,28 +54,13 @@ import warnings
 from pathlib import Path
 
 from benchmarks.cli import default_out_dir, interrupt_once, run_main
-from benchmarks.search_runs import TrialRuns, write_trial_file
+from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsageError
+from benchmarks.search_runs import PARENT_ATTR, process_name, runs_or_none, study_runs, write_trial_file
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget, report_group
+from benchmarks.search_storage import (MAX_RETRY, STORAGE_ENV, is_requeued, open_storage, requeue, storage_down,
+                                       storage_errors, wait_for_storage)
+from benchmarks.search_study import MODES, check_same_config, create_study, make_config, make_sampler, trial_counts
 from benchmarks.tracking import describe_error, redact
-
-MODES = ("constrained", "pareto")
-CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
-               "utility_tokens", "attacks", "budget", "sigma_low", "sigma_high", "tying_method", "experiment")
-PARENT_ATTR = "mlflow_parent_run_id"
-STORAGE_ENV = "SIPIT_SEARCH_STORAGE"
-MAX_RETRY = 3
-
-
-class SearchUsageError(ValueError):
-    """Bad options, reported before any heavy work."""
-
-
-class SearchAborted(RuntimeError):
-    """The search stopped before its target (a worker died, the storage stayed down): a rerun resumes it."""
-
-
-class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C: the interrupted trials were re-queued; the message says what was done."""
 
 
 class StorageLost(BaseException):
@@ -87,296 +71,7 @@ class StorageLost(BaseException):
     """
 
 
-# --------------------------------------------------------------------------- storage
-def storage_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the storage is unreachable" (database down, connection dropped, file gone)."""
-    import optuna
-    import sqlalchemy.exc
-
-    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.DBAPIError, sqlalchemy.exc.InterfaceError,
-            sqlalchemy.exc.TimeoutError, OSError)
-
-
-def _heartbeat_journal_class():
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages._heartbeat import BaseHeartbeat
-    from optuna.trial import TrialState
-
-    class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
-        """JournalStorage plus heartbeats: a running trial's ``heartbeat`` system attribute (unix time).
-
-        A RUNNING trial is stale when max(heartbeat, start time) is older than ``grace_period``.
-        """
-
-        def __init__(self, backend, *, heartbeat_interval: int, grace_period: int, callback=None):
-            super().__init__(backend)
-            self._hb_interval, self._grace, self._callback = heartbeat_interval, grace_period, callback
-
-        def record_heartbeat(self, trial_id: int) -> None:
-            try:
-                self.set_trial_system_attr(trial_id, "heartbeat", time.time())
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass
-
-        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-            now = time.time()
-            stale = []
-            for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
-                started = t.datetime_start.timestamp() if t.datetime_start else now
-                last = max(float(t.system_attrs.get("heartbeat", 0.0)), started)
-                if now - last > self._grace:
-                    stale.append(t._trial_id)
-            return stale
-
-        def get_heartbeat_interval(self) -> int | None:
-            return self._hb_interval
-
-        def get_heartbeat_stale_trial_callback(self):
-            return self._callback
-
-    return HeartbeatJournalStorage
-
-
-def _resilient_rdb_class():
-    from optuna.storages import RDBStorage
-
-    class ResilientRDBStorage(RDBStorage):
-        """RDBStorage whose heartbeat thread outlives a database outage.
-
-        Optuna's heartbeat thread dies at the first failed write, and the trial then goes stale while
-        its worker is still computing; here a failed beat is skipped and the next one tries again.
-        """
-
-        def record_heartbeat(self, trial_id: int) -> None:
-            try:
-                super().record_heartbeat(trial_id)
-            except storage_errors():
-                pass
-
-    return ResilientRDBStorage
-
-
-def requeue(study, trial, max_retry: int = MAX_RETRY) -> bool:
-    """Queue a WAITING trial with the failed ``trial``'s parameters, so a worker (or a rerun) redoes it.
-
-    Unlike Optuna's RetryHeartbeatStaleTrialCallback, the copy inherits no user attributes (they
-    name the dead trial's MLflow run and measurement), nothing is queued for a trial that had drawn
-    no parameters yet (a fresh trial is the same thing), and a trial is queued at most once.
-    Returns whether a trial was queued.
-    """
-    import optuna
-    from optuna.trial import TrialState
-
-    history = [*trial.system_attrs.get("retry_history", []), trial.number]
-    if not trial.params or len(history) > max_retry:
-        return False
-    if _requeued(study, trial.number):
-        return False
-    study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, params=trial.params,
-                                              distributions=trial.distributions,
-                                              system_attrs={"failed_trial": history[0], "retry_history": history}))
-    return True
-
-
-def _requeued(study, number: int) -> bool:
-    """Has trial ``number`` been re-queued already (a trial whose retry history ends with it)?"""
-    return any((t.system_attrs.get("retry_history") or [None])[-1] == number for t in study.get_trials(deepcopy=False))
-
-
-def _stale_callback(runs_for):
-    """Fail the stale trial's MLflow runs (found by tag: linked or not), then re-queue its parameters."""
-
-    def callback(study, trial):
-        runs = runs_for(study)
-        if runs is not None:
-            runs.terminate(trial.number, "FAILED", f"worker {trial.user_attrs.get('worker', '?')} stopped "
-                                                   "(stale heartbeat)")
-        requeue(study, trial)
-
-    return callback
-
-
-def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None):
-    """An Optuna storage with heartbeats and stale-trial retry, from a path or URL.
-
-    ``runs_for(study)`` gives the study's :class:`TrialRuns` (or None) for the stale-trial callback.
-    """
-    import optuna
-
-    if not storage:
-        raise SearchUsageError(f"--storage is required (a journal file path or a database URL; or set ${STORAGE_ENV})")
-    if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
-        raise SearchUsageError(f"need 1 <= --heartbeat-interval < --grace-period, got {heartbeat_interval}, {grace_period}")
-    callback = _stale_callback(runs_for)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        if "://" in storage:
-            try:
-                return _resilient_rdb_class()(storage, heartbeat_interval=heartbeat_interval,
-                                              grace_period=grace_period, heartbeat_stale_trial_callback=callback,
-                                              engine_kwargs={"pool_pre_ping": True})
-            except Exception as err:  # noqa: BLE001 - driver missing, host unreachable, bad URL
-                raise SearchUsageError(f"--storage {redact(storage)!r}: cannot open database: "
-                                       f"{describe_error(err)}") from None
-        path = Path(storage[len("journal:"):] if storage.startswith("journal:") else storage)
-        if not path.parent.exists():
-            raise SearchUsageError(f"--storage {storage!r}: folder {path.parent} does not exist")
-        from optuna.storages.journal import JournalFileBackend
-
-        return _heartbeat_journal_class()(JournalFileBackend(str(path)), heartbeat_interval=heartbeat_interval,
-                                          grace_period=grace_period, callback=callback)
-
-
-def wait_for_storage(study, max_wait: float, log) -> None:
-    """Retry a cheap read with backoff (1, 2, 4 ... 15 s) until the storage answers; SearchAborted after ``max_wait`` s."""
-    deadline, delay = time.monotonic() + max_wait, 1.0
-    while True:
-        try:
-            study._storage.get_study_id_from_name(study.study_name)
-            return
-        except storage_errors() as err:
-            if time.monotonic() + delay > deadline:
-                raise SearchAborted(f"the storage did not answer for {max_wait:.0f}s ({describe_error(err)}): "
-                                    "stopping; completed trials are kept, rerun the same command to resume") from None
-            log(f"[search] storage unreachable ({describe_error(err)}); retrying in {delay:.0f}s")
-            time.sleep(delay)
-            delay = min(2 * delay, 15.0)
-
-
-# --------------------------------------------------------------------------- config
-def check_budget(budget) -> dict:
-    """The attack budget as a full dict; unknown keys and non-positive values are a usage error."""
-    defaults = AttackBudget().to_dict()
-    if budget is None:
-        return defaults
-    if isinstance(budget, AttackBudget):
-        return budget.to_dict()
-    if not isinstance(budget, dict):
-        raise SearchUsageError(f"--budget is a JSON object such as {json.dumps(defaults)}, got {budget!r}")
-    unknown = sorted(set(budget) - set(defaults))
-    if unknown:
-        raise SearchUsageError(f"--budget: unknown key(s) {unknown}: choose from {', '.join(defaults)}")
-    bad = {k: v for k, v in budget.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-    if bad:
-        raise SearchUsageError(f"--budget values are integers >= 1, got {bad}")
-    return {**defaults, **budget}
-
-
-def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
-                attacks, budget, sigma_low, sigma_high, tying_method, experiment) -> dict:
-    """Validated search configuration (everything that must agree between workers)."""
-    if isinstance(families, str):
-        families = [f.strip() for f in families.split(",") if f.strip()]
-    families = list(families or [])
-    if not families:
-        raise SearchUsageError(f"no defence family given: choose from {', '.join(FAMILIES)}")
-    bad = [f for f in families if f not in FAMILIES]
-    if bad:
-        raise SearchUsageError(f"unknown defence family {bad}: choose from {', '.join(FAMILIES)}")
-    if mode not in MODES:
-        raise SearchUsageError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0 \
-            or not math.isfinite(threshold):
-        raise SearchUsageError(f"--threshold is a token accuracy in [0, 1), got {threshold!r}")
-    if isinstance(attacks, str):
-        attacks = [a.strip() for a in attacks.split(",") if a.strip()]
-    bad = [a for a in attacks if a not in SEARCH_ATTACKS]
-    if not attacks or bad:
-        raise SearchUsageError(f"unknown or no attack {bad or attacks}: choose from {', '.join(SEARCH_ATTACKS)}")
-    if not 0 < sigma_low < sigma_high or not math.isfinite(sigma_high):
-        raise SearchUsageError(f"need 0 < --sigma-low < --sigma-high, got {sigma_low}, {sigma_high}")
-    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 2), (utility_tokens, "--utility-tokens", 16)):
-        if value < low:
-            raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
-    if tying_method not in ("rare", "kmeans"):
-        raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
-    return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
-                prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
-                attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
-                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment)
-
-
-def _sampler(config: dict, worker: int, attach_count: int = 0):
-    """The worker's sampler, seeded by (seed, worker index, trials in the study when it attached).
-
-    A fresh 1-worker study is reproducible; a rerun draws a new stream instead of replaying the first
-    run's draws (which repeated earlier settings, re-used at 0.0 s, so fewer distinct settings counted).
-    """
-    import numpy as np
-    import optuna
-
-    seed = int(np.random.SeedSequence([config["seed"], worker, attach_count]).generate_state(1)[0])
-    if config["mode"] == "pareto":
-        return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
-
-
-def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
-    """Create the study (or load it, checking the config agrees) and its MLflow parent run."""
-    import optuna
-
-    directions = ["minimize", "minimize"] if config["mode"] == "pareto" else ["minimize"]
-    study = optuna.create_study(study_name=study_name, storage=storage, directions=directions, load_if_exists=True,
-                                sampler=_sampler(config, 0))
-    stored = study.user_attrs.get("config")
-    if stored is None:
-        study.set_user_attr("config", config)
-    else:
-        check_same_config(stored, config)
-    if track and study.user_attrs.get(PARENT_ATTR) is None:
-        from benchmarks.tracking import Tracker, git_commit, package_versions
-
-        tracker = Tracker(tracking_uri, config["experiment"])
-        parent = tracker.start_parent(f"search-{study_name}", {"config": config, "packages": package_versions()},
-                                      {"study": study_name, "git_commit": git_commit(), "kind": "optuna-search"})
-        study.set_user_attr(PARENT_ATTR, parent)
-        study.set_user_attr("tracking_uri", tracker.uri)
-    return study
-
-
-def check_same_config(stored: dict, given: dict) -> None:
-    stored = {**stored, "budget": check_budget(stored.get("budget"))}  # studies stored before budgets were filled
-    diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
-    if diff:
-        raise SearchUsageError("the study exists with a different configuration (stored vs given): "
-                               + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in ((k, *v) for k, v in diff.items()))
-                               + " — use the same options, or a new --study name")
-
-
 # --------------------------------------------------------------------------- worker
-def _counts(study) -> dict:
-    from optuna.trial import TrialState
-
-    out = {s: 0 for s in ("COMPLETE", "RUNNING", "WAITING", "FAIL")}
-    for t in study.get_trials(deepcopy=False):
-        if t.state.name in out:
-            out[t.state.name] += 1
-    return out
-
-
-def _who() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-_RUNS: dict = {}
-
-
-def study_runs(study, *, tracking_uri=None, track: bool = True, log=print) -> TrialRuns | None:
-    """The study's :class:`TrialRuns` in this process (one per tracking URI and parent run), or None untracked."""
-    from benchmarks.tracking import Tracker
-
-    parent = study.user_attrs.get(PARENT_ATTR)
-    if not track or not parent:
-        return None
-    uri = tracking_uri or study.user_attrs.get("tracking_uri")
-    if (uri, parent) not in _RUNS:
-        tracker = Tracker(uri, study.user_attrs["config"]["experiment"])
-        tracker.parent_id = parent
-        _RUNS[uri, parent] = TrialRuns(tracker, study.study_name, _who(), log)
-    return _RUNS[uri, parent]
-
-
 def _measure_trial(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
     """Evaluate (or re-use) one setting and record it: Optuna user attrs, the results folder, MLflow."""
     from benchmarks.search_space import evaluate
@@ -427,14 +122,14 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported below, one line each
     if isinstance(storage, str):
         storage = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                               runs_for=lambda s: _runs_or_none(s, tracking_uri, track, log))
+                               runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
         raise SearchUsageError(f"study {study_name!r} does not exist in the storage: create it first "
                                "(run without --attach, or with --create-only)") from None
     config = study.user_attrs["config"]
-    study.sampler = _sampler(config, worker, len(study.get_trials(deepcopy=False)))
+    study.sampler = make_sampler(config, worker, len(study.get_trials(deepcopy=False)))
     runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study_name}")
 
@@ -447,7 +142,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     ctx = TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
     vocab = ctx.clean_wb.vocab_size
-    who = _who()
+    who = process_name()
     study.set_user_attr(f"worker:{who}", time.time())  # who attached to the study, and when
     current: dict = {}
 
@@ -477,7 +172,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
         try:
             return objective(trial)
         except storage_errors() as err:
-            if _storage_down(study):
+            if storage_down(study):
                 raise StorageLost(describe_error(err)) from None
             raise
 
@@ -509,14 +204,6 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     return ran
 
 
-def _runs_or_none(study, tracking_uri, track, log):
-    """:func:`study_runs`, or None when the tracking store cannot be opened (the stale trial is still retried)."""
-    try:
-        return study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _worker_step(study, objective, n_trials: int, runs, poll: float) -> bool:
     """One round of the worker loop: reap stale trials, re-log deferred MLflow runs, run one trial.
 
@@ -529,7 +216,7 @@ def _worker_step(study, objective, n_trials: int, runs, poll: float) -> bool:
         optuna.storages.fail_stale_trials(study)
     if runs is not None:
         runs.relog_pending(study)
-    c = _counts(study)
+    c = trial_counts(study)
     if c["COMPLETE"] >= n_trials:
         return True
     if c["COMPLETE"] + c["RUNNING"] >= n_trials and not c["WAITING"]:
@@ -558,15 +245,7 @@ def _in_chain(err: BaseException, types: tuple) -> bool:
 
 def _is_storage_failure(err: BaseException, study) -> bool:
     """Did ``err`` come from the storage (itself or anything in its chain), or is the storage down now?"""
-    return _in_chain(err, (StorageLost, *storage_errors())) or _storage_down(study)
-
-
-def _storage_down(study) -> bool:
-    try:
-        study._storage.get_study_id_from_name(study.study_name)
-        return False
-    except storage_errors():
-        return True
+    return _in_chain(err, (StorageLost, *storage_errors())) or storage_down(study)
 
 
 def _abandon(study, current: dict, runs, status: str, reason: str) -> bool:
@@ -608,7 +287,7 @@ def _interrupted(study, current: dict, runs, worker: int, log) -> SearchInterrup
     frozen = study._storage.get_trial(trial._trial_id)
     if frozen.state.name != "FAIL":
         return SearchInterrupted(f"worker {worker} interrupted after trial {trial.number} ended ({frozen.state.name})")
-    if queued or _requeued(study, trial.number):
+    if queued or is_requeued(study, trial.number):
         what = "re-queued for a rerun"
     elif not frozen.params:
         what = "not re-queued (it had drawn no parameters: nothing to redo)"
@@ -667,7 +346,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
     feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
     front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
     answer = [r for r in feasible if r["ppl_rel_increase"] <= ppl_limit]
-    counts = _counts(study)
+    counts = trial_counts(study)
     return {
         "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
         "best": feasible[0] if feasible else None, "groups": groups,
@@ -844,7 +523,7 @@ def run_search(
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                         runs_for=lambda s: _runs_or_none(s, tracking_uri, track, log))
+                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
     if attach or report_only:
         try:
             st = optuna.load_study(study_name=study, storage=store)
@@ -854,7 +533,7 @@ def run_search(
         check_same_config(st.user_attrs["config"], config)
     else:
         st = create_study(store, study, config, tracking_uri=tracking_uri, track=track)
-        log(f"[search] study {study!r} ready in {redact(storage)} ({_counts(st)['COMPLETE']} complete trials)",
+        log(f"[search] study {study!r} ready in {redact(storage)} ({trial_counts(st)['COMPLETE']} complete trials)",
             file=sys.stderr)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
@@ -874,12 +553,12 @@ def run_search(
                 raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) \
                     from None
             except SearchAborted as err:
-                c = _counts(st)
+                c = trial_counts(st)
                 message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same "
                            "command to finish it and write the report")
                 raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) \
                     from None
-    result["counts"] = _counts(st)
+    result["counts"] = trial_counts(st)
     if not attach and not create_only:
         result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
     return result

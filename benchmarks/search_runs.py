@@ -10,16 +10,22 @@ gets a copy. When the tracking server cannot be reached, the trial goes on, is m
 ``mlflow_pending`` and is logged later by :meth:`TrialRuns.relog_pending` (each worker before each
 trial, and the report step) once the server answers again: its run (found by tags, or a new one)
 gets the metrics from the trial's user attributes and ends FINISHED with a ``relogged`` tag.
+
+The study names its parent run in the user attribute ``mlflow_parent_run_id`` (``PARENT_ATTR``);
+:func:`study_runs` gives any process the study's :class:`TrialRuns`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
-from benchmarks.tracking import check_store, describe_error
+from benchmarks.tracking import Tracker, check_store, describe_error
 
+PARENT_ATTR = "mlflow_parent_run_id"
 PENDING_ATTR = "mlflow_pending"
 RUN_ATTR = "mlflow_run_id"
 METRIC_KEYS = ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "seconds")
@@ -161,3 +167,32 @@ class TrialRuns:
         self.tracker.set_tag(run_id, "relogged", "logged after MLflow was unreachable during the trial")
         self.tracker.client.set_terminated(run_id, status="FINISHED")
         return True
+
+
+def process_name() -> str:
+    """``host:pid`` of this process: the worker that creates a run or attaches to a study."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+_RUNS: dict = {}
+
+
+def study_runs(study, *, tracking_uri=None, track: bool = True, log=print) -> TrialRuns | None:
+    """The study's :class:`TrialRuns` in this process (one per tracking URI and parent run), or None untracked."""
+    parent = study.user_attrs.get(PARENT_ATTR)
+    if not track or not parent:
+        return None
+    uri = tracking_uri or study.user_attrs.get("tracking_uri")
+    if (uri, parent) not in _RUNS:
+        tracker = Tracker(uri, study.user_attrs["config"]["experiment"])
+        tracker.parent_id = parent
+        _RUNS[uri, parent] = TrialRuns(tracker, study.study_name, process_name(), log)
+    return _RUNS[uri, parent]
+
+
+def runs_or_none(study, tracking_uri, track, log):
+    """:func:`study_runs`, or None when the tracking store cannot be opened (the stale trial is still retried)."""
+    try:
+        return study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,187 @@
+"""The search's Optuna storage: heartbeats, stale-trial retry, and waiting out an outage.
+
+A path (``*.journal``/``*.log`` or ``journal:PATH``) is an Optuna JournalStorage file (one
+machine); a URL (``postgresql://...``, ``sqlite:///...``) is an RDBStorage (many machines).
+RDBStorage has heartbeats built in (``ResilientRDBStorage`` keeps them beating through a database
+outage); Optuna 5.1's JournalStorage does not, so ``HeartbeatJournalStorage`` adds them. A trial
+whose heartbeat is older than the grace period is failed by any worker, its MLflow runs are marked
+FAILED and its parameters re-queued (:func:`requeue`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+from benchmarks.search_errors import SearchAborted, SearchUsageError
+from benchmarks.tracking import describe_error, redact
+
+STORAGE_ENV = "SIPIT_SEARCH_STORAGE"
+MAX_RETRY = 3
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the storage is unreachable" (database down, connection dropped, file gone)."""
+    import optuna
+    import sqlalchemy.exc
+
+    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.DBAPIError, sqlalchemy.exc.InterfaceError,
+            sqlalchemy.exc.TimeoutError, OSError)
+
+
+def _heartbeat_journal_class():
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.trial import TrialState
+
+    class HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
+        """JournalStorage plus heartbeats: a running trial's ``heartbeat`` system attribute (unix time).
+
+        A RUNNING trial is stale when max(heartbeat, start time) is older than ``grace_period``.
+        """
+
+        def __init__(self, backend, *, heartbeat_interval: int, grace_period: int, callback=None):
+            super().__init__(backend)
+            self._hb_interval, self._grace, self._callback = heartbeat_interval, grace_period, callback
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                self.set_trial_system_attr(trial_id, "heartbeat", time.time())
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            now = time.time()
+            stale = []
+            for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+                started = t.datetime_start.timestamp() if t.datetime_start else now
+                last = max(float(t.system_attrs.get("heartbeat", 0.0)), started)
+                if now - last > self._grace:
+                    stale.append(t._trial_id)
+            return stale
+
+        def get_heartbeat_interval(self) -> int | None:
+            return self._hb_interval
+
+        def get_heartbeat_stale_trial_callback(self):
+            return self._callback
+
+    return HeartbeatJournalStorage
+
+
+def _resilient_rdb_class():
+    from optuna.storages import RDBStorage
+
+    class ResilientRDBStorage(RDBStorage):
+        """RDBStorage whose heartbeat thread outlives a database outage.
+
+        Optuna's heartbeat thread dies at the first failed write, and the trial then goes stale while
+        its worker is still computing; here a failed beat is skipped and the next one tries again.
+        """
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                super().record_heartbeat(trial_id)
+            except storage_errors():
+                pass
+
+    return ResilientRDBStorage
+
+
+def requeue(study, trial, max_retry: int = MAX_RETRY) -> bool:
+    """Queue a WAITING trial with the failed ``trial``'s parameters, so a worker (or a rerun) redoes it.
+
+    Unlike Optuna's RetryHeartbeatStaleTrialCallback, the copy inherits no user attributes (they
+    name the dead trial's MLflow run and measurement), nothing is queued for a trial that had drawn
+    no parameters yet (a fresh trial is the same thing), and a trial is queued at most once.
+    Returns whether a trial was queued.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    history = [*trial.system_attrs.get("retry_history", []), trial.number]
+    if not trial.params or len(history) > max_retry:
+        return False
+    if is_requeued(study, trial.number):
+        return False
+    study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, params=trial.params,
+                                              distributions=trial.distributions,
+                                              system_attrs={"failed_trial": history[0], "retry_history": history}))
+    return True
+
+
+def is_requeued(study, number: int) -> bool:
+    """Has trial ``number`` been re-queued already (a trial whose retry history ends with it)?"""
+    return any((t.system_attrs.get("retry_history") or [None])[-1] == number for t in study.get_trials(deepcopy=False))
+
+
+def _stale_callback(runs_for):
+    """Fail the stale trial's MLflow runs (found by tag: linked or not), then re-queue its parameters."""
+
+    def callback(study, trial):
+        runs = runs_for(study)
+        if runs is not None:
+            runs.terminate(trial.number, "FAILED", f"worker {trial.user_attrs.get('worker', '?')} stopped "
+                                                   "(stale heartbeat)")
+        requeue(study, trial)
+
+    return callback
+
+
+def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None):
+    """An Optuna storage with heartbeats and stale-trial retry, from a path or URL.
+
+    ``runs_for(study)`` gives the study's :class:`TrialRuns` (or None) for the stale-trial callback.
+    """
+    import optuna
+
+    if not storage:
+        raise SearchUsageError(f"--storage is required (a journal file path or a database URL; or set ${STORAGE_ENV})")
+    if heartbeat_interval < 1 or grace_period <= heartbeat_interval:
+        raise SearchUsageError(f"need 1 <= --heartbeat-interval < --grace-period, got {heartbeat_interval}, {grace_period}")
+    callback = _stale_callback(runs_for)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if "://" in storage:
+            try:
+                return _resilient_rdb_class()(storage, heartbeat_interval=heartbeat_interval,
+                                              grace_period=grace_period, heartbeat_stale_trial_callback=callback,
+                                              engine_kwargs={"pool_pre_ping": True})
+            except Exception as err:  # noqa: BLE001 - driver missing, host unreachable, bad URL
+                raise SearchUsageError(f"--storage {redact(storage)!r}: cannot open database: "
+                                       f"{describe_error(err)}") from None
+        path = Path(storage[len("journal:"):] if storage.startswith("journal:") else storage)
+        if not path.parent.exists():
+            raise SearchUsageError(f"--storage {storage!r}: folder {path.parent} does not exist")
+        from optuna.storages.journal import JournalFileBackend
+
+        return _heartbeat_journal_class()(JournalFileBackend(str(path)), heartbeat_interval=heartbeat_interval,
+                                          grace_period=grace_period, callback=callback)
+
+
+def storage_down(study) -> bool:
+    """Does the storage fail a cheap read right now?"""
+    try:
+        study._storage.get_study_id_from_name(study.study_name)
+        return False
+    except storage_errors():
+        return True
+
+
+def wait_for_storage(study, max_wait: float, log) -> None:
+    """Retry a cheap read with backoff (1, 2, 4 ... 15 s) until the storage answers; SearchAborted after ``max_wait`` s."""
+    deadline, delay = time.monotonic() + max_wait, 1.0
+    while True:
+        try:
+            study._storage.get_study_id_from_name(study.study_name)
+            return
+        except storage_errors() as err:
+            if time.monotonic() + delay > deadline:
+                raise SearchAborted(f"the storage did not answer for {max_wait:.0f}s ({describe_error(err)}): "
+                                    "stopping; completed trials are kept, rerun the same command to resume") from None
+            log(f"[search] storage unreachable ({describe_error(err)}); retrying in {delay:.0f}s")
+            time.sleep(delay)
+            delay = min(2 * delay, 15.0)
+

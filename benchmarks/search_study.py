@@ -1,0 +1,128 @@
+"""The search's study: its validated configuration, its creation, its samplers and its trial counts.
+
+The configuration (everything that must agree between workers) and the MLflow parent run id are
+study user attributes, written once when the study is created; every worker reads them, and a
+worker whose options differ is refused (:func:`check_same_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks.search_errors import SearchUsageError
+from benchmarks.search_runs import PARENT_ATTR
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
+
+MODES = ("constrained", "pareto")
+CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
+               "utility_tokens", "attacks", "budget", "sigma_low", "sigma_high", "tying_method", "experiment")
+
+
+def check_budget(budget) -> dict:
+    """The attack budget as a full dict; unknown keys and non-positive values are a usage error."""
+    defaults = AttackBudget().to_dict()
+    if budget is None:
+        return defaults
+    if isinstance(budget, AttackBudget):
+        return budget.to_dict()
+    if not isinstance(budget, dict):
+        raise SearchUsageError(f"--budget is a JSON object such as {json.dumps(defaults)}, got {budget!r}")
+    unknown = sorted(set(budget) - set(defaults))
+    if unknown:
+        raise SearchUsageError(f"--budget: unknown key(s) {unknown}: choose from {', '.join(defaults)}")
+    bad = {k: v for k, v in budget.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise SearchUsageError(f"--budget values are integers >= 1, got {bad}")
+    return {**defaults, **budget}
+
+
+def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
+                attacks, budget, sigma_low, sigma_high, tying_method, experiment) -> dict:
+    """Validated search configuration (everything that must agree between workers)."""
+    if isinstance(families, str):
+        families = [f.strip() for f in families.split(",") if f.strip()]
+    families = list(families or [])
+    if not families:
+        raise SearchUsageError(f"no defence family given: choose from {', '.join(FAMILIES)}")
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        raise SearchUsageError(f"unknown defence family {bad}: choose from {', '.join(FAMILIES)}")
+    if mode not in MODES:
+        raise SearchUsageError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0 \
+            or not math.isfinite(threshold):
+        raise SearchUsageError(f"--threshold is a token accuracy in [0, 1), got {threshold!r}")
+    if isinstance(attacks, str):
+        attacks = [a.strip() for a in attacks.split(",") if a.strip()]
+    bad = [a for a in attacks if a not in SEARCH_ATTACKS]
+    if not attacks or bad:
+        raise SearchUsageError(f"unknown or no attack {bad or attacks}: choose from {', '.join(SEARCH_ATTACKS)}")
+    if not 0 < sigma_low < sigma_high or not math.isfinite(sigma_high):
+        raise SearchUsageError(f"need 0 < --sigma-low < --sigma-high, got {sigma_low}, {sigma_high}")
+    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 2), (utility_tokens, "--utility-tokens", 16)):
+        if value < low:
+            raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
+    if tying_method not in ("rare", "kmeans"):
+        raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
+    return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
+                prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
+                attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
+                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment)
+
+
+def make_sampler(config: dict, worker: int, attach_count: int = 0):
+    """The worker's sampler, seeded by (seed, worker index, trials in the study when it attached).
+
+    A fresh 1-worker study is reproducible; a rerun draws a new stream instead of replaying the first
+    run's draws (which repeated earlier settings, re-used at 0.0 s, so fewer distinct settings counted).
+    """
+    import numpy as np
+    import optuna
+
+    seed = int(np.random.SeedSequence([config["seed"], worker, attach_count]).generate_state(1)[0])
+    if config["mode"] == "pareto":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
+
+
+def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
+    """Create the study (or load it, checking the config agrees) and its MLflow parent run."""
+    import optuna
+
+    directions = ["minimize", "minimize"] if config["mode"] == "pareto" else ["minimize"]
+    study = optuna.create_study(study_name=study_name, storage=storage, directions=directions, load_if_exists=True,
+                                sampler=make_sampler(config, 0))
+    stored = study.user_attrs.get("config")
+    if stored is None:
+        study.set_user_attr("config", config)
+    else:
+        check_same_config(stored, config)
+    if track and study.user_attrs.get(PARENT_ATTR) is None:
+        from benchmarks.tracking import Tracker, git_commit, package_versions
+
+        tracker = Tracker(tracking_uri, config["experiment"])
+        parent = tracker.start_parent(f"search-{study_name}", {"config": config, "packages": package_versions()},
+                                      {"study": study_name, "git_commit": git_commit(), "kind": "optuna-search"})
+        study.set_user_attr(PARENT_ATTR, parent)
+        study.set_user_attr("tracking_uri", tracker.uri)
+    return study
+
+
+def check_same_config(stored: dict, given: dict) -> None:
+    """SearchUsageError naming every key on which the stored and the given configuration differ."""
+    stored = {**stored, "budget": check_budget(stored.get("budget"))}  # studies stored before budgets were filled
+    diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
+    if diff:
+        raise SearchUsageError("the study exists with a different configuration (stored vs given): "
+                               + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in ((k, *v) for k, v in diff.items()))
+                               + " — use the same options, or a new --study name")
+
+
+def trial_counts(study) -> dict:
+    """How many of the study's trials are COMPLETE, RUNNING, WAITING and FAIL."""
+    out = {s: 0 for s in ("COMPLETE", "RUNNING", "WAITING", "FAIL")}
+    for t in study.get_trials(deepcopy=False):
+        if t.state.name in out:
+            out[t.state.name] += 1
+    return out

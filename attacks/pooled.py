@@ -113,6 +113,12 @@ class PooledBeamAttack:
             return w, k
         return w, min(k, total - w * k)
 
+    def _accumulate(self, acc: torch.Tensor | None, feats: torch.Tensor) -> torch.Tensor:
+        """The running pool of a window after one more position: sum (mean pooling) or max."""
+        if acc is None:
+            return feats
+        return acc + feats if self.pooling.mode == "mean" else torch.maximum(acc, feats)
+
     def _pooled(self, acc: torch.Tensor, n: int) -> torch.Tensor:
         return acc / n if self.pooling.mode == "mean" else acc
 
@@ -160,13 +166,7 @@ class PooledBeamAttack:
                 prior_lp = hyp.prior.logprobs if (hyp.prior is not None and hyp.prior.logprobs is not None) else None
                 for part in cands.split(self.chunk):
                     batch = whitebox.step(hyp.prefix, part)
-                    feats = self.pooling.pool_dims(batch.states.float())
-                    if hyp.acc is None:
-                        acc = feats
-                    elif self.pooling.mode == "mean":
-                        acc = hyp.acc + feats
-                    else:
-                        acc = torch.maximum(hyp.acc, feats)
+                    acc = self._accumulate(hyp.acc, self.pooling.pool_dims(batch.states.float()))
                     n = hyp.n_in + 1
                     if k_eff is not None and n == k_eff:
                         s = hyp.done + (self._pooled(acc, n) - tgt).pow(2).sum(-1)
@@ -184,13 +184,7 @@ class PooledBeamAttack:
                 h_index, batch, j, logp = where[i]
                 parent = beams[h_index]
                 token = int(batch.candidates[j])
-                feat = self.pooling.pool_dims(batch.states[j].float())
-                if parent.acc is None:
-                    acc = feat
-                elif self.pooling.mode == "mean":
-                    acc = parent.acc + feat
-                else:
-                    acc = torch.maximum(parent.acc, feat)
+                acc = self._accumulate(parent.acc, self.pooling.pool_dims(batch.states[j].float()))
                 n = parent.n_in + 1
                 done = parent.done
                 if k_eff is not None and n == k_eff:  # window complete: score it, start the next

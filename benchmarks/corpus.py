@@ -20,7 +20,6 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm

@@ -13,10 +13,13 @@ the head trained against it are the same in both:
    exposure (:func:`exposure_fn`: the adaptive head).
 3. :func:`invert_all`: every prompt through one ``invert(observed, whitebox, layer, tokenizer,
    length)`` call (a pooled exposure needs the length; per-position attacks check it).
+4. :func:`margins_on_subset`: the margin Delta_t at a seeded subset of positions, next to the noise
+   norms, so recovery can be read against ||n_t|| / (Delta_t / 2).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -122,3 +125,34 @@ def train_softmax_head(exposed: Exposed, variant: str, *, n_tokens: int, epochs:
                               epochs=epochs, seed=seed, variant=variant,
                               augment=exposure_fn(exposed.chain) if variant == "adaptive" else None, progress=progress)
     return head, report, corpus
+
+
+def margins_on_subset(exposed: Exposed, margin_positions: int, seed: int, *, progress: bool = False) -> dict:
+    """Delta_t over the full vocabulary (sipit.margins) on a seeded subset of ``margin_positions``
+    (prompt, position) pairs (-1: all), beside the noise norm ||n_t|| measured at every position."""
+    from benchmarks.metrics import median
+    from sipit.margins import margin_from_distances
+    from sipit.sweep import sweep_distances
+
+    started = time.perf_counter()
+    all_norms = [n for row in exposed.noise_norms for n in row if n is not None]
+    truths, wb, layer = exposed.prompt_ids, exposed.attacker_wb, exposed.layer
+    pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
+    if not exposed.chain.per_position:
+        pairs = []
+    elif margin_positions != -1:
+        pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
+        pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
+    deltas: dict[tuple[int, int], float] = {}
+    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
+        ids = torch.tensor(truths[i])
+        prefix = wb.prefix_cache(ids[:t], layer)
+        mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
+        deltas[(i, t)] = margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
+    return {
+        "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
+        "median_half_delta": median([d / 2 for d in deltas.values()]),
+        "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
+        "noise_norms_all": all_norms, "seconds": time.perf_counter() - started,
+        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
+    }

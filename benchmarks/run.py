@@ -36,22 +36,17 @@ position (the benchmark knows the true states).
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
 
 from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
 from benchmarks.config import MINIMUMS, RunConfig
-from benchmarks.cli import UsageError, arg, check_float, check_int, check_names, default_out_dir, interrupt_once, run_main
+from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
+from benchmarks.cli import UsageError, arg, check_float, check_int, default_out_dir, interrupt_once, run_main
 
-ATTACKS = RUN_ATTACKS
 DEFAULTS = RunConfig()
 
 BenchmarkUsageError = UsageError  # the name callers of run_benchmark know
@@ -59,77 +54,6 @@ BenchmarkUsageError = UsageError  # the name callers of run_benchmark know
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) stopped the run; ``str()`` says what the cleanup actually did."""
-
-
-@dataclass
-class _State:
-    """What a run has produced so far (saved as partial results on Ctrl-C)."""
-
-    results: dict
-    rows: list[dict] = field(default_factory=list)  # per-position
-    prompt_rows: list[dict] = field(default_factory=list)  # per-prompt
-
-
-# --------------------------------------------------------------------------- outputs
-def write_outputs(out: Path, state: _State) -> list[Path]:
-    """results.json, per_prompt.csv, per_position.csv and the plots, in ``out``."""
-    from benchmarks import plots
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    per_position = out / "per_position.csv"
-    fields = ["attack", "prompt", "position", "true_token", "recovered_token", "correct", "delta", "noise_norm",
-              "ratio", "candidates_tried", "distance", "seconds"]
-    with per_position.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in fields} for r in state.rows)
-    paths.append(per_position)
-    per_prompt = out / "per_prompt.csv"
-    pfields = ["attack", "prompt", "kind", "exact", "token_accuracy", "truth_text", "recovered_text"]
-    with per_prompt.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=pfields)
-        writer.writeheader()
-        writer.writerows(state.prompt_rows)
-    paths.append(per_prompt)
-    title = state.results.get("title", "")
-    paths.append(plots.recovery_vs_ratio(state.rows, out / "recovery_vs_ratio.png", title))
-    margins = state.results.get("margins", {})
-    paths.append(plots.delta_distribution(margins.get("deltas", []), margins.get("noise_norms_all", []),
-                                          out / "delta_distribution.png", title))
-    results = out / "results.json"
-    results.write_text(json.dumps(state.results, indent=2, default=str))
-    paths.append(results)
-    return paths
-
-
-def format_table(results: dict) -> str:
-    lines = [results.get("title", ""), ""]
-    head = f"{'attack':<24} {'decoder':<32} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
-    lines += [head, "-" * len(head)]
-    for name, s in results.get("attacks", {}).items():
-        if "exact_match" not in s:
-            lines.append(f"{name:<24} {s.get('decoder', ''):<32} {'(not run: ' + s.get('skipped', '') + ')'}")
-            continue
-        acc = f"{s['token_accuracy']:.3f} ± {s['token_accuracy_se']:.3f} ({s['n_tokens']}/{s['n_prompts']})"
-        exact = f"{s['exact_match']:.2f} ± {s['exact_match_se']:.2f}"
-        lines.append(f"{name:<24} {s.get('decoder', '')[:32]:<32} {exact:>13} {acc:>32} "
-                     f"{s['seconds_per_prompt']:>9.3g} {s['candidates_per_position']:>9.1f}")
-    u = results.get("utility") or {}
-    if u:
-        lines.append(f"defence utility: perplexity {u.get('ppl_clean', float('nan')):.3f} -> {u.get('ppl_served', float('nan')):.3f} "
-                     f"({100 * u.get('ppl_rel_increase', 0):+.2f}%), top-1 agreement {u.get('top1_agreement', float('nan')):.3f} "
-                     f"on {u.get('n_tokens')} tokens")
-    m = results.get("margins") or {}
-    if m:
-        lines.append(f"margins: median Delta/2 = {m.get('median_half_delta', float('nan')):.4g} "
-                     f"({m.get('n_positions', 0)} positions), median ||n|| = {m.get('median_noise_norm', float('nan')):.4g} "
-                     f"(all {m.get('n_noise_positions', 0)} positions)")
-    for variant, h in (results.get("heads") or {}).items():
-        lines.append(f"head {variant}: train acc {h['train_accuracy']:.3f}, held-out acc {h['heldout_accuracy']:.3f}"
-                     + (f" (exposed {h['heldout_accuracy_exposed']:.3f})" if h.get("heldout_accuracy_exposed") is not None else "")
-                     + f", {h['n_classes']} classes, coverage of eval tokens {h.get('coverage', float('nan')):.3f}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- the run
@@ -155,7 +79,7 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
         raise BenchmarkUsageError(f"give either a RunConfig or options, not both (got {sorted(options)})")
     config.validate()  # cheap checks first
     c = config
-    chain, defense_names, attack_names, seeds = c.chain(), c.defense_names(), list(c.attacks), c.seeds
+    chain, defense_names, seeds = c.chain(), c.defense_names(), c.seeds
     model, layer, length, prompts = c.model, c.layer, c.length, c.prompts
     recorded, chash = c.record(), c.hash()
     # ---------------------------------------------------------------- model, layer, prompts
@@ -213,7 +137,7 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
         "tracking": {"uri": tracker.uri if tracker else c.tracking_uri, "error": tracking_error, "run_id": None},
         "out": str(out_dir),
     }
-    state = _State(results)
+    state = RunState(results)
     with interrupt_once():
         try:
             tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log)
@@ -250,7 +174,7 @@ def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, 
     return tracker
 
 
-def _finish(state: _State, tracker, out_dir: Path, log) -> None:
+def _finish(state: RunState, tracker, out_dir: Path, log) -> None:
     """Write the outputs of a finished run and log them on the parent run, closed FINISHED."""
     results = state.results
     paths = write_outputs(out_dir, state)
@@ -258,7 +182,7 @@ def _finish(state: _State, tracker, out_dir: Path, log) -> None:
         return
     try:
         parent = tracker.parent_id
-        tracker.log_metrics(parent, {"seconds_total": results["seconds"], **_flat_metrics(results)})
+        tracker.log_metrics(parent, {"seconds_total": results["seconds"], **flat_metrics(results)})
         tracker.log_artifacts(parent, paths)
         tracker.finish(parent)
         results["tracking"]["url"] = tracker.run_url()
@@ -269,7 +193,7 @@ def _finish(state: _State, tracker, out_dir: Path, log) -> None:
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
 
 
-def _close(state: _State, tracker, out_dir: Path, status: str, started: float) -> str:
+def _close(state: RunState, tracker, out_dir: Path, status: str, started: float) -> str:
     """Write the partial results and mark the open MLflow runs FAILED; return what really happened."""
     state.results["status"] = status
     state.results["seconds"] = time.perf_counter() - started
@@ -295,41 +219,19 @@ def _close(state: _State, tracker, out_dir: Path, status: str, started: float) -
     return "; ".join(done)
 
 
-def _flat_metrics(results: dict) -> dict:
-    metrics = {}
-    for key in ("ppl_clean", "ppl_served", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "state_cosine"):
-        value = (results.get("utility") or {}).get(key)
-        if value is not None:
-            metrics[f"utility.{key}"] = value
-    m = results.get("margins") or {}
-    for key in ("median_half_delta", "median_noise_norm", "n_positions", "seconds"):
-        if key in m:
-            metrics[f"margins.{key}"] = m[key]
-    for name, s in results.get("attacks", {}).items():
-        for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position"):
-            if key in s:
-                metrics[f"{name}.{key}"] = s[key]
-    for variant, h in (results.get("heads") or {}).items():
-        for key in ("train_accuracy", "heldout_accuracy", "heldout_accuracy_exposed", "coverage"):
-            if h.get(key) is not None:
-                metrics[f"head_{variant}.{key}"] = h[key]
-    return metrics
-
-
-def _run(state: _State, tracker, config: RunConfig, loaded, clean_wb, layer: int, chain, prompt_set, *, progress, log):
+def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: int, chain, prompt_set, *, progress, log):
     """expose -> margins -> utility -> attacks (benchmarks.pipeline), recorded into ``state`` and MLflow."""
     from benchmarks.metrics import median
-    from benchmarks.pipeline import expose
+    from benchmarks.pipeline import expose, margins_on_subset
 
     results = state.results
     truths = [p.ids for p in prompt_set]
     seeds, utility_tokens, attack_names = config.seeds, config.utility_tokens, list(config.attacks)
     exposed = expose(chain, loaded, clean_wb, layer, truths, seed=seeds["noise"], knows_defense=config.knows_defense,
                      progress=progress)
-    all_norms = [n for row in exposed.noise_norms for n in row if n is not None]
     results["defense"]["sigma_abs_median"] = median(exposed.sigmas)
     results["defense"]["exposure_exact"] = all(exposed.exact)
-    results["margins"] = _margins(exposed, config.margin_positions, seeds["margin_positions"], all_norms, progress)
+    results["margins"] = margins_on_subset(exposed, config.margin_positions, seeds["margin_positions"], progress=progress)
     if utility_tokens:
         from defenses.utility import held_out_ids, utility_cost
 
@@ -341,7 +243,7 @@ def _run(state: _State, tracker, config: RunConfig, loaded, clean_wb, layer: int
         log(f"[run] utility cost of the defence on {n_util} held-out tokens", file=sys.stderr)
         results["utility"] = utility_cost(loaded, chain, layer, n_tokens=n_util, seed=seeds["utility"]).to_dict()
     if tracker is not None:
-        tracker.log_metrics(tracker.parent_id, _flat_metrics(results))
+        tracker.log_metrics(tracker.parent_id, flat_metrics(results))
     plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
     if "softmax-head" in attack_names and chain.name != "none":
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
@@ -361,36 +263,7 @@ def _run(state: _State, tracker, config: RunConfig, loaded, clean_wb, layer: int
     ]
 
 
-def _margins(exposed, margin_positions: int, seed: int, all_norms: list[float], progress: bool) -> dict:
-    """Delta_t over the full vocabulary (sipit.margins) on a seeded subset of (prompt, position) pairs."""
-    from benchmarks.metrics import median
-    from sipit.margins import margin_from_distances
-    from sipit.sweep import sweep_distances
-
-    started = time.perf_counter()
-    truths, wb, layer = exposed.prompt_ids, exposed.attacker_wb, exposed.layer
-    pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
-    if not exposed.chain.per_position:
-        pairs = []
-    elif margin_positions != -1:
-        pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
-        pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
-    deltas: dict[tuple[int, int], float] = {}
-    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
-        ids = torch.tensor(truths[i])
-        prefix = wb.prefix_cache(ids[:t], layer)
-        mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
-        deltas[(i, t)] = margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
-    return {
-        "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
-        "median_half_delta": median([d / 2 for d in deltas.values()]),
-        "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
-        "noise_norms_all": all_norms, "seconds": time.perf_counter() - started,
-        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
-    }
-
-
-def _attack(state: _State, tracker, exposed, prompt_set, result_name: str, kind: str, options: AttackOptions,
+def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kind: str, options: AttackOptions,
             seeds: dict, tokenizer, *, head_tokens: int, head_epochs: int, progress: bool, log) -> None:
     """One attack over every exposed prompt: its summary, per-position and per-prompt rows, its MLflow run."""
     from attacks.result import layer_hint
@@ -503,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-window", type=int, help="pooling: pool over windows of k positions")
     g.add_argument("--pool-dims", type=int, help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
-    a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(ATTACKS)}")
+    a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(RUN_ATTACKS)}")
     a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="noise-robust SipIt decoder used under noise")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",

@@ -10,7 +10,6 @@ from torch import nn
 from attacks.policies import GradientPolicy
 from attacks.sipit import SipIt
 from defenses import Chain, PooledExposureError, make_chain, make_defense, require_per_position
-from defenses.base import DefenseParamError
 from attacks.pooled import PooledBeamAttack
 from defenses.utility import held_out_ids, utility_cost
 from sipit.models import load_model

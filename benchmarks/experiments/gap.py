@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def gap_command(args: argparse.Namespace) -> int:
-    print(f"| layer | max rel. gap | median rel. gap | derived rel_tol | default rel_tol |\n|---|---|---|---|---|")
+    print("| layer | max rel. gap | median rel. gap | derived rel_tol | default rel_tol |\n|---|---|---|---|---|")
     for layer, row in measure_gaps(args.model, args.layers, args.n_prompts).items():
         print(f"| {layer} | {row['max_gap']:.2e} | {row['median_gap']:.2e} | "
               f"{row['derived_rel_tol']:.2e} | {DEFAULT_REL_TOL:.0e} |")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path

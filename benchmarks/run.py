@@ -377,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-dims", type=int, help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
     a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(RUN_ATTACKS)}")
-    a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="noise-robust SipIt decoder used under noise")
+    a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="decoder under Gaussian noise: radius = SipIt's loop stopping at the first token inside "
+                   "the chi-square noise radius (heuristic), map = greedy MAP, beam = MAP beam search with "
+                   "backtracking, shortlist = nearest neighbour on MAP's shortlist (attacks.registry.ROBUST)")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")

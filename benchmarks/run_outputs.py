@@ -69,6 +69,10 @@ def format_table(results: dict) -> str:
         lines.append(f"defence utility: perplexity {u.get('ppl_clean', float('nan')):.3f} -> {u.get('ppl_served', float('nan')):.3f} "
                      f"({100 * u.get('ppl_rel_increase', 0):+.2f}%), top-1 agreement {u.get('top1_agreement', float('nan')):.3f} "
                      f"on {u.get('n_tokens')} tokens")
+        if u.get("continued_ppl") is not None:
+            lines.append(f"continued from the exposed states: perplexity {u['continued_ppl']:.3f} "
+                         f"({100 * u['continued_ppl_rel_increase']:+.2f}%), top-1 agreement "
+                         f"{u['continued_top1_agreement']:.3f}")
     m = results.get("margins") or {}
     if m:
         lines.append(f"margins: median Delta/2 = {m.get('median_half_delta', float('nan')):.4g} "
@@ -83,7 +87,8 @@ def format_table(results: dict) -> str:
 
 def flat_metrics(results: dict) -> dict:
     metrics = {}
-    for key in ("ppl_clean", "ppl_served", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "state_cosine"):
+    for key in ("ppl_clean", "ppl_served", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "state_cosine",
+                "continued_ppl", "continued_ppl_rel_increase", "continued_top1_agreement"):
         value = (results.get("utility") or {}).get(key)
         if value is not None:
             metrics[f"utility.{key}"] = value

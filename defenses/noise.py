@@ -100,24 +100,7 @@ class GaussianNoise(Defense):
         whitebox = WhiteBox(served.model)
         layer = whitebox.resolve_layer(layer)
         generator = torch.Generator().manual_seed(self.seed)  # the served model's own stream
-
-        if layer == 0:
-
-            def noisy_input(module, args, kwargs):
-                if args:
-                    return (self.add_noise(args[0], generator),) + tuple(args[1:]), kwargs
-                kwargs = dict(kwargs, hidden_states=self.add_noise(kwargs["hidden_states"], generator))
-                return args, kwargs
-
-            whitebox.blocks[0].register_forward_pre_hook(noisy_input, with_kwargs=True)
-        else:
-
-            def noisy_output(module, args, output):
-                if isinstance(output, tuple):
-                    return (self.add_noise(output[0], generator),) + tuple(output[1:])
-                return self.add_noise(output, generator)
-
-            whitebox.blocks[layer - 1].register_forward_hook(noisy_output)
+        whitebox.transform_layer(layer, lambda states: self.add_noise(states, generator))
         served.model._sipit_noise_hook = self  # marks the copy for inspection
         return served
 

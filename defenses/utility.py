@@ -10,6 +10,12 @@ Measures (:class:`UtilityReport`):
 - perplexity of the clean and the served model over the slice (non-overlapping windows of
   ``window`` tokens, capped at the model's context), and the relative increase;
 - next-token top-1 agreement of the served model with the clean one;
+- the use "continued inference" (split serving, cached states): the served model's blocks above
+  layer l consume the *exposed* states (``defense.expose`` applied to the layer-l states of every
+  window, seeded) and the perplexity / top-1 agreement are measured again. This prices what the
+  served-model numbers cannot: noise on the exposed copy and stored-activation quantisation cost
+  nothing to the served model but as much as their in-model twins to anyone who continues from the
+  exposed states. Pooled exposures cannot feed the blocks above l: ``None`` (not applicable);
 - for per-position exposures, the fidelity of what leaks vs the clean layer-l states on the first
   ``fidelity_tokens`` tokens: relative L2 error ``||E - H||_F / ||H||_F`` and mean row cosine.
   (Pooled exposures have no per-position fidelity; their shape is reported.)
@@ -78,6 +84,9 @@ class UtilityReport:
     top1_agreement: float
     state_rel_l2: float | None = None
     state_cosine: float | None = None
+    continued_ppl: float | None = None  # use "continued inference" (module docstring); None: not applicable
+    continued_ppl_rel_increase: float | None = None
+    continued_top1_agreement: float | None = None
     exposure_shape: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -102,6 +111,23 @@ def _nll_and_top1(model, ids: torch.Tensor, window: int) -> tuple[torch.Tensor, 
         nll.append(-logp.gather(1, part[1:, None])[:, 0])
         top1.append(logits.argmax(dim=-1))
     return torch.cat(nll), torch.cat(top1)
+
+
+@torch.no_grad()
+def _continued(served: LoadedModel, defense: Defense, layer: int, ids: torch.Tensor, window: int,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_nll_and_top1` of the served model whose layer-l states are replaced by what
+    ``defense`` exposes (seeded), i.e. the blocks above l continue from the exposed copy."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def exposed(states: torch.Tensor) -> torch.Tensor:
+        return torch.stack([defense.expose(row, generator) for row in states])
+
+    handle = WhiteBox(served.model).transform_layer(layer, exposed)
+    try:
+        return _nll_and_top1(served.model, ids, window)
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()
@@ -134,6 +160,11 @@ def utility_cost(
         ppl_clean=ppl_clean, ppl_served=ppl_served, ppl_rel_increase=ppl_served / ppl_clean - 1.0,
         top1_agreement=float((top1_served == top1_clean).float().mean()),
     )
+    if defense.per_position:
+        nll_cont, top1_cont = _continued(served, defense, layer, ids, window, seed)
+        report.continued_ppl = math.exp(float(nll_cont.mean()))
+        report.continued_ppl_rel_increase = report.continued_ppl / ppl_clean - 1.0
+        report.continued_top1_agreement = float((top1_cont == top1_clean).float().mean())
     probe = ids[:fidelity_tokens]
     states_clean = WhiteBox(clean.model).states(probe, layer)
     exposed = defense.expose(WhiteBox(served.model).states(probe, layer), torch.Generator().manual_seed(seed))

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
@@ -96,6 +98,27 @@ class WhiteBox:
                 f"(0 = embeddings, {self.n_layers} = last block), or -{n}..-1 from the end"
             )
         return layer % n
+
+    def transform_layer(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """Make every forward of the model replace its layer-``layer`` states h (B, n, d) by ``fn(h)``
+        before the blocks above consume them (layer 0: the input of block 1). Returns the hook handle
+        (``.remove()`` undoes it)."""
+        layer = self.resolve_layer(layer)
+        if layer == 0:
+
+            def on_input(module, args, kwargs):
+                if args:
+                    return (fn(args[0]),) + tuple(args[1:]), kwargs
+                return args, dict(kwargs, hidden_states=fn(kwargs["hidden_states"]))
+
+            return self.blocks[0].register_forward_pre_hook(on_input, with_kwargs=True)
+
+        def on_output(module, args, output):
+            if isinstance(output, tuple):
+                return (fn(output[0]),) + tuple(output[1:])
+            return fn(output)
+
+        return self.blocks[layer - 1].register_forward_hook(on_output)
 
     def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """Token ids as a 1-D long tensor on the model's device; rejects empty/out-of-vocab."""

@@ -273,3 +273,23 @@ def test_utility_cost(llama):
     assert pooled.state_rel_l2 is None and pooled.exposure_shape == [1, 64, 64]
     assert torch.equal(held_out_ids(llama.tokenizer, 256, 0), held_out_ids(llama.tokenizer, 256, 0))
     assert set(clean.to_dict()) >= {"ppl_clean", "ppl_served", "top1_agreement", "state_cosine"}
+
+
+def test_continued_inference_prices_what_leaks_from_the_exposed_copy(llama):
+    """The use "continued inference": the blocks above l consume the exposed states. Exposure-only
+    defences are free for the served model but not for this use; with no defence it is the clean model."""
+    before = WhiteBox(llama.model).states(_ids(6), 3)
+    clean = utility_cost(llama, make_defense("none"), 2, n_tokens=256)
+    assert clean.continued_ppl == clean.ppl_clean and clean.continued_top1_agreement == 1
+    for defense in (make_defense("noise", sigma=1.0, placement="exposure"),
+                    make_defense("quant", weights="none", activations="nf4")):
+        cost = utility_cost(llama, defense, 2, n_tokens=256)
+        assert cost.ppl_rel_increase == 0 and cost.top1_agreement == 1  # the served model is untouched
+        assert cost.continued_ppl != cost.ppl_clean and cost.continued_top1_agreement < 1
+    # the same noise inside the model and on the exposed copy cost this use alike (same layer-l law)
+    inside = utility_cost(llama, make_defense("noise", sigma=1.0, placement="model"), 2, n_tokens=256)
+    outside = utility_cost(llama, make_defense("noise", sigma=1.0, placement="exposure"), 2, n_tokens=256)
+    assert abs(inside.continued_top1_agreement - outside.continued_top1_agreement) < 0.1
+    pooled = utility_cost(llama, make_defense("pooling", mode="mean", over="all"), 2, n_tokens=256)
+    assert pooled.continued_ppl is None and pooled.continued_top1_agreement is None
+    assert torch.equal(WhiteBox(llama.model).states(_ids(6), 3), before)  # no hook left on the clean model

@@ -1,0 +1,114 @@
+"""One trial of the search: draw a defence setting, measure it (or re-use an identical trial), record it.
+
+The measurement is recorded three times: as the trial's Optuna user attributes (and, in mode
+``constrained``, its constraint), in ``<out>/trials/trial-<n>.json`` and on the trial's nested
+MLflow run (``benchmarks.search_runs``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from benchmarks.search_runs import write_trial_file
+from benchmarks.search_space import AttackBudget, report_group
+from benchmarks.tracking import describe_error
+
+
+def trial_context(config: dict):
+    """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``."""
+    from benchmarks.prompts import named_prompt_set
+    from benchmarks.search_space import TrialContext
+    from sipit.models import load_model
+    from sipit.whitebox import WhiteBox
+
+    loaded = load_model(config["model"])
+    layer = WhiteBox(loaded.model).resolve_layer(config["layer"])
+    prompt_ids = [p.ids for p in named_prompt_set(config["prompts"], loaded.tokenizer, config["n_prompts"],
+                                                  length=config["length"], seed=config["seed"]) if p.ids]
+    return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
+                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
+
+
+def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):
+    """The Optuna objective of worker ``worker`` (``who``): utility loss, and recovery in mode ``pareto``."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from benchmarks.search_space import suggest_setting
+
+    vocab = ctx.clean_wb.vocab_size
+
+    def objective(trial):
+        # Two workers may both start the last trial: the later-numbered one stands down (PRUNED, not counted).
+        others = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+                  if t.number != trial.number and (t.state == TrialState.COMPLETE or t.number < trial.number)]
+        if len(others) >= n_trials:
+            trial.set_user_attr("stood_down", "target trial count reached by other workers")
+            raise optuna.TrialPruned()
+        family, names, params = suggest_setting(trial, config["families"], vocab_size=vocab, length=config["length"],
+                                                sigma_low=config["sigma_low"], sigma_high=config["sigma_high"],
+                                                tying_method=config["tying_method"])
+        trial.set_user_attr("worker", who)
+        trial.set_user_attr("family", family)
+        trial.set_user_attr("group", report_group(family, trial.params))
+        m = _measure(trial, ctx, config, runs, names, params, out_dir)
+        log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
+            f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} ({m['seconds']:.1f}s)",
+            file=sys.stderr)
+        if config["mode"] == "pareto":
+            return m["utility_loss"], m["recovery"]
+        return m["utility_loss"]
+
+    return objective
+
+
+def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
+    """Evaluate (or re-use) one setting and record it: Optuna user attrs, the results folder, MLflow."""
+    from benchmarks.search_space import evaluate
+
+    logged = runs is not None and runs.start(trial, trial.user_attrs["family"])
+    try:
+        m = _reuse(trial.study, trial) or evaluate(ctx, names, params)
+    except BaseException as err:
+        interrupted = isinstance(err, KeyboardInterrupt)
+        trial.set_user_attr("error", f"{type(err).__name__}: {err}"[:2000])
+        if runs is not None:
+            runs.terminate(trial.number, "KILLED" if interrupted else "FAILED", describe_error(err)[:5000])
+        raise
+    _record(trial, m, config)
+    write_trial_file(out_dir, trial.number, trial.params, trial.user_attrs)
+    if logged:
+        runs.finish(trial)
+    return m
+
+
+def _record(trial, m: dict, config: dict) -> None:
+    """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
+    for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
+                "strongest_attack", "seconds", "sigma_abs_median", "reused_from"):
+        if m.get(key) is not None:
+            trial.set_user_attr(key, m[key])
+    trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
+                                        "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
+    trial.set_user_attr("defense_params", m["defense_params"])
+    excess = m["recovery"] - config["threshold"]
+    if config["mode"] == "constrained":
+        trial.set_constraint("recovery", excess)
+    trial.set_user_attr("constraint.recovery", excess)
+    trial.set_user_attr("feasible", excess <= 0)
+
+
+def _reuse(study, trial) -> dict | None:
+    """A COMPLETE trial with the very same parameters: copy its measurement (deterministic)."""
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.params == trial.params and "recovery" in t.user_attrs:
+            u = t.user_attrs
+            attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
+            return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
+                                              "recovery", "strongest_attack", "sigma_abs_median")},
+                    "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
+                    "reused_from": t.number}
+    return None

@@ -97,7 +97,8 @@ def flat_metrics(results: dict) -> dict:
         if key in m:
             metrics[f"margins.{key}"] = m[key]
     for name, s in results.get("attacks", {}).items():
-        for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position"):
+        for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position",
+                    "exact_match_upper95", "token_accuracy_upper95", "bag_f1"):
             if key in s:
                 metrics[f"{name}.{key}"] = s[key]
     for variant, h in (results.get("heads") or {}).items():

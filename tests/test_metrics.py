@@ -1,0 +1,46 @@
+"""benchmarks.metrics: the rates a run reports, their standard errors and upper bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attacks.result import Inversion
+from benchmarks.metrics import bag_f1, clopper_pearson_upper, clustered_accuracy, summarise
+
+
+def _inv(ids: list[int]) -> Inversion:
+    return Inversion(ids=ids, text="", positions=[], seconds=1.0, vocab_size=100)
+
+
+def test_clopper_pearson_upper_bound_matches_its_closed_forms_and_coverage():
+    # k = 0: the bound solves (1 - U)^n = 0.05
+    for n in (1, 10, 300):
+        assert clopper_pearson_upper(0, n) == pytest.approx(1 - 0.05 ** (1 / n))
+    assert clopper_pearson_upper(0, 300) < 0.01 < clopper_pearson_upper(0, 290)  # "about 300 tokens for 1%"
+    assert clopper_pearson_upper(7, 7) == 1.0 and math.isnan(clopper_pearson_upper(0, 0))
+    # coverage: over many binomial draws the true p lies below the bound at least 95% of the time
+    g = torch.Generator().manual_seed(0)
+    for p, n in ((0.02, 50), (0.3, 40)):
+        draws = torch.binomial(torch.full((2000,), float(n)), torch.full((2000,), p), generator=g).long().tolist()
+        covered = sum(p <= clopper_pearson_upper(k, n) for k in draws) / len(draws)
+        assert covered >= 0.95
+
+
+def test_bag_f1_counts_tokens_whatever_their_order():
+    assert bag_f1([1, 2, 3], [3, 2, 1]) == 1.0
+    assert bag_f1([1, 1, 2], [1, 2, 2]) == pytest.approx(2 / 3)
+    assert bag_f1([4, 5], [1, 2]) == 0.0 and bag_f1([], [1]) == 0.0
+
+
+def test_summary_rates_bounds_and_clustered_se():
+    truths = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    s = summarise("x", truths, [_inv([1, 2, 3, 4]), _inv([6, 5, 9, 9])])
+    assert s.exact_match == 0.5 and s.token_accuracy == pytest.approx(4 / 8)
+    assert s.exact_match_upper95 == pytest.approx(clopper_pearson_upper(1, 2))
+    assert s.token_accuracy_upper95 == pytest.approx(clopper_pearson_upper(4, 8))
+    assert s.bag_f1 == pytest.approx((1.0 + 0.5) / 2)  # the second prompt leaked {5, 6} out of order
+    mean, se = clustered_accuracy([[True] * 4, [False] * 4])
+    assert mean == 0.5 and se == pytest.approx(0.5)

@@ -24,7 +24,7 @@ Crash safety: trials are written to the storage when they finish, so a killed wo
 completed trial. A running trial carries a heartbeat; when it is older than ``--grace-period``
 seconds any worker marks the trial FAILED, marks its MLflow runs FAILED (found by tag, linked or
 not) and re-queues its parameters (:func:`requeue`), so rerunning the command resumes the study to
-its target. RDBStorage has heartbeats built in (:class:`ResilientRDBStorage` keeps them beating
+its target. RDBStorage has heartbeats built in (``ResilientRDBStorage`` keeps them beating
 through a database outage); Optuna 5.1's JournalStorage does not, so ``HeartbeatJournalStorage``
 adds them. A storage outage is waited out (``--storage-wait``), an MLflow outage deferred
 (``benchmarks.search_runs``), Ctrl-C re-queues the running trials (exit 130), a dead worker
@@ -37,22 +37,27 @@ Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= thresh
 increase of the served model on held-out text (defenses.utility). Samplers are seeded
 (``seed + worker index``): a 1-worker study is reproducible; with N workers the trial set depends
 on scheduling.
+
+This module is the command line and :func:`run_search`, which puts the steps together; each job
+has its module: ``search_study`` (configuration, study creation), ``search_storage`` (storage,
+heartbeats, stale-trial retry, outages), ``search_worker`` (the worker loop), ``search_trial``
+(one trial), ``search_processes`` (worker subprocesses), ``search_runs`` (MLflow runs),
+``search_report`` (the report), ``search_errors`` (how a search stops short).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
 import os
-import signal
-import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.cli import default_out_dir, interrupt_once, run_main
 from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsageError
+from benchmarks.search_processes import run_worker_processes, worker_process
+from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
@@ -64,160 +69,6 @@ __all__ = ["PARENT_ATTR", "STORAGE_ENV", "SearchAborted", "SearchInterrupted", "
            "main", "make_config", "open_storage", "requeue", "run_search", "worker_process"]
 
 
-# --------------------------------------------------------------------------- report
-def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
-    front, best = [], math.inf
-    for u, r, n in sorted(points):
-        if r < best:
-            front.append(n)
-            best = r
-    return front
-
-
-def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
-    """Per group: the cheapest COMPLETE trial with recovery <= threshold; plus the Pareto front."""
-    from optuna.trial import TrialState
-
-    config = study.user_attrs["config"]
-    threshold = config["threshold"] if threshold is None else threshold
-    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
-    rows = []
-    for t in trials:
-        u = t.user_attrs
-        rows.append({"trial": t.number, "group": u["group"], "family": u["family"], "params": t.params,
-                     "utility_loss": u["utility_loss"], "ppl_rel_increase": u["ppl_rel_increase"],
-                     "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
-                     "recovery": u["recovery"], "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
-                     "feasible": u["recovery"] <= threshold, "retry_of": t.system_attrs.get("failed_trial"),
-                     "reused_from": u.get("reused_from")})
-    groups: dict[str, dict] = {}
-    for group in sorted({r["group"] for r in rows}):
-        mine = [r for r in rows if r["group"] == group]
-        ok = sorted((r for r in mine if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
-        groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
-                         "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
-    feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
-    front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
-    answer = [r for r in feasible if r["ppl_rel_increase"] <= ppl_limit]
-    counts = trial_counts(study)
-    return {
-        "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
-        "best": feasible[0] if feasible else None, "groups": groups,
-        "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
-        "question": {"ppl_limit": ppl_limit, "reached": bool(answer), "cheapest": answer[0] if answer else None},
-        "trials": sorted(rows, key=lambda r: r["trial"]),
-        "mlflow_parent_run_id": study.user_attrs.get(PARENT_ATTR),
-    }
-
-
-def _fmt_params(params: dict) -> str:
-    return ", ".join(f"{k.split('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{k.split('.', 1)[-1]}={v}"
-                     for k, v in params.items() if k != "family")
-
-
-def format_report(report: dict) -> str:
-    c = report["config"]
-    lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
-             f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
-             f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
-             f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
-             f"utility on {c['utility_tokens']} tokens; attacks {', '.join(c['attacks'])}", "",
-             "| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | ppl increase | "
-             "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
-    for group, g in report["groups"].items():
-        b = g["best"]
-        if b is None:
-            lo = g["lowest_recovery"]
-            lines.append(f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
-                         f"{_fmt_params(lo['params'])}, ppl {100 * lo['ppl_rel_increase']:+.2f}%) | {lo['trial']} | | | |")
-            continue
-        attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
-        lines.append(f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
-                     f"{100 * b['ppl_rel_increase']:+.2f}% | {b['top1_agreement']:.3f} | {attacks} |")
-    q = report["question"]
-    lines.append("")
-    if q["reached"]:
-        b = q["cheapest"]
-        lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
-                     f"{100 * q['ppl_limit']:.0f}%: trial {b['trial']} {b['group']} ({_fmt_params(b['params'])}), "
-                     f"ppl {100 * b['ppl_rel_increase']:+.2f}%, recovery {b['recovery']:.3f}.")
-    else:
-        lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
-                     f"{100 * q['ppl_limit']:.0f}%.")
-    lines.append("")
-    lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
-        f"#{r['trial']} {r['group']} ppl {100 * r['ppl_rel_increase']:+.2f}% rec {r['recovery']:.3f}"
-        for r in report["pareto_front"]))
-    return "\n".join(lines)
-
-
-def plot_report(report: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for group in sorted({r["group"] for r in report["trials"]}):
-        mine = [r for r in report["trials"] if r["group"] == group]
-        ax.scatter([100 * r["ppl_rel_increase"] for r in mine], [r["recovery"] for r in mine], label=group, s=22)
-    front = report["pareto_front"]
-    ax.plot([100 * r["ppl_rel_increase"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
-    ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
-    ax.set_xlabel("perplexity increase (%)")
-    ax.set_ylabel("recovery (token accuracy, strongest attack)")
-    ax.set_xscale("symlog", linthresh=1.0)
-    ax.set_title(f"{report['config']['model']} layer {report['config']['layer']}: {report['study']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log=print) -> dict:
-    report = build_report(study)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    text = format_report(report)
-    (out / "report.md").write_text(text + "\n")
-    fields = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-              "recovery", "attacks", "feasible", "retry_of", "reused_from"]
-    with (out / "trials.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report["trials"])
-    paths = [out / "report.json", out / "report.md", out / "trials.csv"]
-    if report["trials"]:
-        paths.append(plot_report(report, out / "pareto.png"))
-    runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
-    if runs is not None:
-        runs.relog_pending(study)  # trials whose MLflow logging failed while the server was down
-        tracker, parent = runs.tracker, runs.parent_id
-        tracker.log_artifacts(parent, paths)
-        table = {"trial": [], "group": [], "params": [], "ppl_rel_increase": [], "recovery": [], "best_in_group": []}
-        best_ids = {g["best"]["trial"] for g in report["groups"].values() if g["best"]}
-        for r in report["pareto_front"] + [g["best"] for g in report["groups"].values() if g["best"]]:
-            table["trial"].append(r["trial"])
-            table["group"].append(r["group"])
-            table["params"].append(json.dumps(r["params"]))
-            table["ppl_rel_increase"].append(r["ppl_rel_increase"])
-            table["recovery"].append(r["recovery"])
-            table["best_in_group"].append(r["trial"] in best_ids)
-        tracker.client.log_table(parent, table, "search_best_and_pareto.json")
-        metrics = {"trials_complete": report["counts"]["COMPLETE"], "trials_failed": report["counts"]["FAIL"],
-                   "question_reached": float(report["question"]["reached"])}
-        if report["best"]:
-            metrics.update(best_utility_loss=report["best"]["utility_loss"], best_recovery=report["best"]["recovery"],
-                           best_trial=report["best"]["trial"])
-        tracker.log_metrics(parent, metrics)
-        tracker.finish(parent)
-    report["text"] = text
-    report["out"] = str(out)
-    return report
-
-
-# --------------------------------------------------------------------------- the command
 def run_search(
     storage: str | None,
     study: str = "sipit-search",
@@ -261,14 +112,7 @@ def run_search(
     """
     import optuna
 
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
-        raise SearchUsageError(f"--n-trials must be an int >= 1, got {n_trials!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise SearchUsageError(f"--workers must be an int >= 1 (worker processes on this machine), got {workers!r}")
-    if sum((create_only, attach, report_only)) > 1:
-        raise SearchUsageError("give at most one of --create-only, --attach, --report-only")
-    if not storage_wait >= 0:
-        raise SearchUsageError(f"--storage-wait must be >= 0 seconds, got {storage_wait!r}")
+    _check_options(n_trials, workers, storage_wait, steps=(create_only, attach, report_only))
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
@@ -277,44 +121,36 @@ def run_search(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                          runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
-    if attach or report_only:
-        try:
-            st = optuna.load_study(study_name=study, storage=store)
-        except KeyError:
-            raise SearchUsageError(f"study {study!r} does not exist in {redact(storage)}: create it first "
-                                   "(--create-only)") from None
-        check_same_config(st.user_attrs["config"], config)
-    else:
-        st = create_study(store, study, config, tracking_uri=tracking_uri, track=track)
-        log(f"[search] study {study!r} ready in {redact(storage)} ({trial_counts(st)['COMPLETE']} complete trials)",
-            file=sys.stderr)
+    st = _open_study(store, storage, study, config, existing=attach or report_only, tracking_uri=tracking_uri,
+                     track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
     if not create_only and not report_only:
-        with interrupt_once():  # a second Ctrl-C (or SIGTERM) cannot cut the clean-up short
-            try:
-                if workers == 1:
-                    result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
-                                               track=track, heartbeat_interval=heartbeat_interval,
-                                               grace_period=grace_period, storage_wait=storage_wait, out=out_dir, log=log)
-                else:
-                    run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
-                                         tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
-                                         grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
-            except KeyboardInterrupt as err:
-                message = str(err) if isinstance(err, SearchInterrupted) else f"interrupted ({err or 'SIGINT'})"
-                raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) \
-                    from None
-            except SearchAborted as err:
-                c = trial_counts(st)
-                message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same "
-                           "command to finish it and write the report")
-                raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) \
-                    from None
+        with _stopping_cleanly(st, n_trials, attach=attach, tracking_uri=tracking_uri, track=track):
+            if workers == 1:
+                result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
+                                           track=track, heartbeat_interval=heartbeat_interval,
+                                           grace_period=grace_period, storage_wait=storage_wait, out=out_dir, log=log)
+            else:
+                run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
+                                     tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
+                                     grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
     result["counts"] = trial_counts(st)
     if not attach and not create_only:
         result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
     return result
+
+
+def _check_options(n_trials, workers, storage_wait, *, steps: tuple[bool, bool, bool]) -> None:
+    """The options :func:`make_config` does not hold: trial target, workers, steps, storage wait."""
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise SearchUsageError(f"--n-trials must be an int >= 1, got {n_trials!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise SearchUsageError(f"--workers must be an int >= 1 (worker processes on this machine), got {workers!r}")
+    if sum(steps) > 1:
+        raise SearchUsageError("give at most one of --create-only, --attach, --report-only")
+    if not storage_wait >= 0:
+        raise SearchUsageError(f"--storage-wait must be >= 0 seconds, got {storage_wait!r}")
 
 
 def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) -> None:
@@ -327,6 +163,42 @@ def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) ->
         check_store(tracking_uri or default_tracking_uri())
     except TrackingError as err:
         raise SearchUsageError(str(err)) from None
+
+
+def _open_study(store, storage: str, study: str, config: dict, *, existing: bool, tracking_uri, track: bool, log):
+    """The ``existing`` study (its configuration must agree), or the study created now."""
+    import optuna
+
+    if existing:
+        try:
+            st = optuna.load_study(study_name=study, storage=store)
+        except KeyError:
+            raise SearchUsageError(f"study {study!r} does not exist in {redact(storage)}: create it first "
+                                   "(--create-only)") from None
+        check_same_config(st.user_attrs["config"], config)
+        return st
+    st = create_study(store, study, config, tracking_uri=tracking_uri, track=track)
+    log(f"[search] study {study!r} ready in {redact(storage)} ({trial_counts(st)['COMPLETE']} complete trials)",
+        file=sys.stderr)
+    return st
+
+
+@contextmanager
+def _stopping_cleanly(st, n_trials: int, *, attach: bool, tracking_uri, track: bool):
+    """Around the workers: Ctrl-C or an abort ends in one message that says what was done (parent run marked)."""
+    with interrupt_once():  # a second Ctrl-C (or SIGTERM) cannot cut the clean-up short
+        try:
+            yield
+        except KeyboardInterrupt as err:
+            message = str(err) if isinstance(err, SearchInterrupted) else f"interrupted ({err or 'SIGINT'})"
+            raise SearchInterrupted(message + _close_parent(st, attach, tracking_uri, track, "KILLED", message)) \
+                from None
+        except SearchAborted as err:
+            c = trial_counts(st)
+            message = (f"{err}; the study holds {c['COMPLETE']}/{n_trials} complete trials: rerun the same "
+                       "command to finish it and write the report")
+            raise SearchAborted(message + _close_parent(st, attach, tracking_uri, track, "FAILED", message)) \
+                from None
 
 
 def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, reason: str) -> str:
@@ -346,78 +218,8 @@ def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, r
     return f" (MLflow parent run marked {status})"
 
 
-def describe_exit(code: int) -> str:
-    """A worker process's exit status in words."""
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return "was interrupted (exit 130)" if code == 130 else f"exited with code {code}"
-
-
-def run_worker_processes(storage: str, study: str, n_trials: int, config: dict, *, workers: int, first_index: int,
-                         tracking_uri, track: bool, heartbeat_interval: int, grace_period: int, storage_wait: float,
-                         out: Path) -> None:
-    """``workers`` worker subprocesses (``--attach``) until they stop; SearchAborted names any that died.
-
-    Ctrl-C: every worker gets SIGINT (a terminal sends it to all; a signal to this process alone is
-    passed on), re-queues its running trial and exits; then :class:`SearchInterrupted`.
-    """
-    procs = []
-    for i in range(workers):
-        cmd, env = worker_process(study, n_trials, config, worker_index=first_index + i, storage=storage,
-                                  tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
-                                  grace_period=grace_period, storage_wait=storage_wait, out=out)
-        procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:  # signals are held off here (run_search's interrupt_once)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        codes = [_wait_or_kill(p, timeout=60) for p in procs]
-        stopped = sum(code == 130 for code in codes)
-        raise SearchInterrupted(f"interrupted: {stopped} of {workers} workers stopped cleanly (each re-queued its "
-                                "running trial); rerun the same command to resume") from None
-    dead = [f"worker {first_index + i} (pid {p.pid}) {describe_exit(code)}"
-            for i, (p, code) in enumerate(zip(procs, codes)) if code != 0]
-    if dead:
-        raise SearchAborted("; ".join(dead))
-
-
-def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-def worker_process(study, n_trials, config, *, worker_index, storage, tracking_uri, track, heartbeat_interval,
-                   grace_period, storage_wait, out) -> tuple[list[str], dict]:
-    """The ``--attach`` command line of one worker subprocess (same configuration) and its environment.
-
-    The storage URL and tracking URI travel in the environment (``$SIPIT_SEARCH_STORAGE``,
-    ``$MLFLOW_TRACKING_URI``), not on the command line, where ``ps`` would show their passwords.
-    """
-    cmd = [sys.executable, "-m", "benchmarks.search", "--study", study, "--n-trials", str(n_trials),
-           "--attach", "--workers", "1", "--worker-index", str(worker_index), "--model", config["model"],
-           "--layer", str(config["layer"]), "--families", ",".join(config["families"]), "--mode", config["mode"],
-           "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
-           "--n-prompts", str(config["n_prompts"]), "--length", str(config["length"]),
-           "--utility-tokens", str(config["utility_tokens"]), "--attacks", ",".join(config["attacks"]),
-           "--sigma-low", repr(config["sigma_low"]), "--sigma-high", repr(config["sigma_high"]),
-           "--tying-method", config["tying_method"], "--experiment", config["experiment"],
-           "--heartbeat-interval", str(heartbeat_interval), "--grace-period", str(grace_period),
-           "--storage-wait", repr(float(storage_wait)), "--budget", json.dumps(config["budget"]), "--out", str(out)]
-    env = {**os.environ, STORAGE_ENV: storage}
-    if tracking_uri:
-        env["MLFLOW_TRACKING_URI"] = tracking_uri
-    if not track:
-        cmd.append("--no-tracking")
-    return cmd, env
-
-
 def _json_object(text: str) -> dict:
-    """argparse type of ``--budget``: a JSON object (its keys and values are checked by :func:`check_budget`)."""
+    """argparse type of ``--budget``: a JSON object (``search_study.check_budget`` checks its keys and values)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:

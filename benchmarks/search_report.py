@@ -1,0 +1,182 @@
+"""The search's report: per defence group, the cheapest setting whose recovery stays <= threshold.
+
+:func:`write_report` writes ``report.json``, ``report.md``, ``trials.csv`` and ``pareto.png``
+(utility loss vs recovery, with the Pareto front) into the output folder, and logs them, the table
+``search_best_and_pareto.json`` and summary metrics on the study's MLflow parent run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from benchmarks.search_runs import PARENT_ATTR, study_runs
+from benchmarks.search_study import trial_counts
+
+CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
+              "recovery", "attacks", "feasible", "retry_of", "reused_from"]
+
+
+def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
+    front, best = [], math.inf
+    for u, r, n in sorted(points):
+        if r < best:
+            front.append(n)
+            best = r
+    return front
+
+
+def _row(trial, threshold: float) -> dict:
+    """One COMPLETE trial as a report row."""
+    u = trial.user_attrs
+    return {"trial": trial.number, "group": u["group"], "family": u["family"], "params": trial.params,
+            "utility_loss": u["utility_loss"], "ppl_rel_increase": u["ppl_rel_increase"],
+            "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
+            "recovery": u["recovery"], "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
+            "feasible": u["recovery"] <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
+            "reused_from": u.get("reused_from")}
+
+
+def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
+    """Per group: the cheapest COMPLETE trial with recovery <= threshold; plus the Pareto front."""
+    from optuna.trial import TrialState
+
+    config = study.user_attrs["config"]
+    threshold = config["threshold"] if threshold is None else threshold
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
+    rows = [_row(t, threshold) for t in trials]
+    groups: dict[str, dict] = {}
+    for group in sorted({r["group"] for r in rows}):
+        mine = [r for r in rows if r["group"] == group]
+        ok = sorted((r for r in mine if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+        groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
+                         "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
+    feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+    front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
+    answer = [r for r in feasible if r["ppl_rel_increase"] <= ppl_limit]
+    counts = trial_counts(study)
+    return {
+        "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
+        "best": feasible[0] if feasible else None, "groups": groups,
+        "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
+        "question": {"ppl_limit": ppl_limit, "reached": bool(answer), "cheapest": answer[0] if answer else None},
+        "trials": sorted(rows, key=lambda r: r["trial"]),
+        "mlflow_parent_run_id": study.user_attrs.get(PARENT_ATTR),
+    }
+
+
+def _fmt_params(params: dict) -> str:
+    return ", ".join(f"{k.split('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{k.split('.', 1)[-1]}={v}"
+                     for k, v in params.items() if k != "family")
+
+
+def _group_line(group: str, g: dict) -> str:
+    """The markdown table row of one group: its cheapest feasible setting, else its lowest recovery."""
+    b = g["best"]
+    if b is None:
+        lo = g["lowest_recovery"]
+        return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
+                f"{_fmt_params(lo['params'])}, ppl {100 * lo['ppl_rel_increase']:+.2f}%) | {lo['trial']} | | | |")
+    attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
+    return (f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
+            f"{100 * b['ppl_rel_increase']:+.2f}% | {b['top1_agreement']:.3f} | {attacks} |")
+
+
+def format_report(report: dict) -> str:
+    """The report as markdown: header, one table row per group, the answer, the Pareto front."""
+    c = report["config"]
+    lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
+             f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
+             f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
+             f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
+             f"utility on {c['utility_tokens']} tokens; attacks {', '.join(c['attacks'])}", "",
+             "| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | ppl increase | "
+             "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
+    lines += [_group_line(group, g) for group, g in report["groups"].items()]
+    q = report["question"]
+    lines.append("")
+    if q["reached"]:
+        b = q["cheapest"]
+        lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+                     f"{100 * q['ppl_limit']:.0f}%: trial {b['trial']} {b['group']} ({_fmt_params(b['params'])}), "
+                     f"ppl {100 * b['ppl_rel_increase']:+.2f}%, recovery {b['recovery']:.3f}.")
+    else:
+        lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+                     f"{100 * q['ppl_limit']:.0f}%.")
+    lines.append("")
+    lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
+        f"#{r['trial']} {r['group']} ppl {100 * r['ppl_rel_increase']:+.2f}% rec {r['recovery']:.3f}"
+        for r in report["pareto_front"]))
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> Path:
+    """Recovery vs perplexity increase of every trial, by group, with the Pareto front and the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group in sorted({r["group"] for r in report["trials"]}):
+        mine = [r for r in report["trials"] if r["group"] == group]
+        ax.scatter([100 * r["ppl_rel_increase"] for r in mine], [r["recovery"] for r in mine], label=group, s=22)
+    front = report["pareto_front"]
+    ax.plot([100 * r["ppl_rel_increase"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
+    ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
+    ax.set_xlabel("perplexity increase (%)")
+    ax.set_ylabel("recovery (token accuracy, strongest attack)")
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_title(f"{report['config']['model']} layer {report['config']['layer']}: {report['study']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log=print) -> dict:
+    """Build the report, write its files into ``out`` and log them on the MLflow parent run (then FINISHED)."""
+    report = build_report(study)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    text = format_report(report)
+    (out / "report.md").write_text(text + "\n")
+    with (out / "trials.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in report["trials"])
+    paths = [out / "report.json", out / "report.md", out / "trials.csv"]
+    if report["trials"]:
+        paths.append(plot_report(report, out / "pareto.png"))
+    runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
+    if runs is not None:
+        runs.relog_pending(study)  # trials whose MLflow logging failed while the server was down
+        _log_on_parent(runs.tracker, runs.parent_id, report, paths)
+    report["text"] = text
+    report["out"] = str(out)
+    return report
+
+
+def _log_on_parent(tracker, parent: str, report: dict, paths: list[Path]) -> None:
+    """The report's files, its best-and-Pareto table and summary metrics on the parent run, then FINISHED."""
+    tracker.log_artifacts(parent, paths)
+    table = {"trial": [], "group": [], "params": [], "ppl_rel_increase": [], "recovery": [], "best_in_group": []}
+    best_ids = {g["best"]["trial"] for g in report["groups"].values() if g["best"]}
+    for r in report["pareto_front"] + [g["best"] for g in report["groups"].values() if g["best"]]:
+        table["trial"].append(r["trial"])
+        table["group"].append(r["group"])
+        table["params"].append(json.dumps(r["params"]))
+        table["ppl_rel_increase"].append(r["ppl_rel_increase"])
+        table["recovery"].append(r["recovery"])
+        table["best_in_group"].append(r["trial"] in best_ids)
+    tracker.client.log_table(parent, table, "search_best_and_pareto.json")
+    metrics = {"trials_complete": report["counts"]["COMPLETE"], "trials_failed": report["counts"]["FAIL"],
+               "question_reached": float(report["question"]["reached"])}
+    if report["best"]:
+        metrics.update(best_utility_loss=report["best"]["utility_loss"], best_recovery=report["best"]["recovery"],
+                       best_trial=report["best"]["trial"])
+    tracker.log_metrics(parent, metrics)
+    tracker.finish(parent)

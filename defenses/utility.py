@@ -160,11 +160,6 @@ def utility_cost(
         ppl_clean=ppl_clean, ppl_served=ppl_served, ppl_rel_increase=ppl_served / ppl_clean - 1.0,
         top1_agreement=float((top1_served == top1_clean).float().mean()),
     )
-    if defense.per_position:
-        nll_cont, top1_cont = _continued(served, defense, layer, ids, window, seed)
-        report.continued_ppl = math.exp(float(nll_cont.mean()))
-        report.continued_ppl_rel_increase = report.continued_ppl / ppl_clean - 1.0
-        report.continued_top1_agreement = float((top1_cont == top1_clean).float().mean())
     probe = ids[:fidelity_tokens]
     states_clean = WhiteBox(clean.model).states(probe, layer)
     exposed = defense.expose(WhiteBox(served.model).states(probe, layer), torch.Generator().manual_seed(seed))
@@ -173,5 +168,11 @@ def utility_cost(
         diff = (exposed.float() - states_clean.float())
         report.state_rel_l2 = float(diff.norm() / states_clean.float().norm())
         report.state_cosine = float(torch.nn.functional.cosine_similarity(exposed.float(), states_clean.float(), dim=-1).mean())
+    # after the fidelity probe: an in-model noise hook draws from the served model's own stream
+    if defense.per_position:
+        nll_cont, top1_cont = _continued(served, defense, layer, ids, window, seed)
+        report.continued_ppl = math.exp(float(nll_cont.mean()))
+        report.continued_ppl_rel_increase = report.continued_ppl / ppl_clean - 1.0
+        report.continued_top1_agreement = float((top1_cont == top1_clean).float().mean())
     report.seconds = time.perf_counter() - started
     return report

@@ -34,9 +34,9 @@ environment (``$SIPIT_SEARCH_STORAGE``), and every message redacts passwords.
 Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= threshold, set with
 ``trial.set_constraint``; the value is copied to the user attribute ``constraint.recovery``) and
 ``pareto`` (NSGA-II, minimise (utility loss, recovery)). Utility loss = relative perplexity
-increase of the served model on held-out text (defenses.utility). Samplers are seeded
-(``seed + worker index``): a 1-worker study is reproducible; with N workers the trial set depends
-on scheduling.
+increase of the served model on held-out text (defenses.utility). Samplers are seeded by
+(``seed``, worker index, trials in the study when the worker attached): a fresh 1-worker study is
+reproducible, a rerun draws new settings; with N workers the trial set depends on scheduling.
 
 This module is the command line and :func:`run_search`, which puts the steps together; each job
 has its module: ``search_study`` (configuration, study creation), ``search_storage`` (storage,

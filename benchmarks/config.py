@@ -9,11 +9,16 @@ whose parameters come from the flags ``--sigma``, ``--sigma-rel``, ``--placement
 ``--quant-activations``, ``--tie-groups``, ``--tie-rare``, ``--pool``, ``--pool-window``,
 ``--pool-dims`` (:func:`legacy_specs` turns them into specs). Values in a spec are read as int,
 then float, then text. Gaussian noise without an explicit ``seed`` draws with the run's noise seed.
+
+Sweeps (:func:`sweep_configs`): a defence parameter given several values, ``--sigma 0.1,1,10`` or
+``noise:sigma=0.1|1|10`` in a spec, expands into one RunConfig per combination of values (the
+product over every parameter given more than one), run in order by benchmarks.sweep.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass, fields
 
@@ -190,3 +195,42 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: legacy flags whose text value may hold a comma list of sweep values
+LIST_FLAGS = ("placement", "quant", "quant_activations", "pool")
+
+
+def _alternatives(value) -> list:
+    """The sweep values of one option: a list as given, a comma list for the text flags, else one."""
+    if isinstance(value, (list, tuple)):
+        return list(value) or [None]
+    if isinstance(value, str) and "," in value:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return [value]
+
+
+def _spec_alternatives(spec: str) -> list[str]:
+    """``"noise:sigma=0.1|1,placement=model"`` -> one spec per value combination."""
+    name, params = parse_spec(spec.replace("|", "\x00"))
+    if not params:
+        return [spec]
+    keys = list(params)
+    values = [[_value(v) for v in str(params[k]).split("\x00")] for k in keys]
+    return [format_spec(name, dict(zip(keys, combo))) for combo in itertools.product(*values)]
+
+
+def sweep_configs(**options) -> list[RunConfig]:
+    """Every RunConfig of a sweep (module docstring); one config when no parameter has several values."""
+    defense = options.pop("defense", None)
+    given = [defense] if isinstance(defense, str) else list(defense or [])
+    if any(":" in d for d in given):
+        per_spec = [_spec_alternatives(d) if ":" in d else [d] for d in given]
+        return [RunConfig.from_options(defense=list(combo), **options) for combo in itertools.product(*per_spec)]
+    for name in LEGACY_FLAGS:  # numeric flags as typed on a command line: "4" or "0.1,1,10"
+        if name in options and name not in LIST_FLAGS and isinstance(options[name], str):
+            options[name] = [_value(v.strip()) for v in options[name].split(",") if v.strip()]
+    swept = [k for k in LEGACY_FLAGS if k in options and len(_alternatives(options[k])) > 1]
+    options.update({k: _alternatives(options[k])[0] for k in LEGACY_FLAGS if k in options and k not in swept})
+    combos = itertools.product(*(_alternatives(options[k]) for k in swept))
+    return [RunConfig.from_options(defense=defense, **{**options, **dict(zip(swept, combo))}) for combo in combos]

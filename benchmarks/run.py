@@ -43,9 +43,9 @@ from pathlib import Path
 
 
 from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
-from benchmarks.config import MINIMUMS, RunConfig
+from benchmarks.config import MINIMUMS, RunConfig, sweep_configs
 from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
-from benchmarks.cli import UsageError, arg, check_float, check_int, default_out_dir, interrupt_once, run_main
+from benchmarks.cli import UsageError, arg, check_floats, check_int, default_out_dir, interrupt_once, run_main
 
 DEFAULTS = RunConfig()
 
@@ -57,7 +57,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 # --------------------------------------------------------------------------- the run
-def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log=print, **options) -> dict:
+def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log=print, parent_run: str | None = None,
+                  **options) -> dict:
     """Run the benchmark ``config`` (or ``RunConfig.from_options(**options)``); return the results dict
     (also written to ``config.out``/results.json).
 
@@ -140,7 +141,7 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
     state = RunState(results)
     with interrupt_once():
         try:
-            tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log)
+            tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log, parent_run)
             _run(state, tracker, c, loaded, clean_wb, layer_r, chain, prompt_set, progress=progress, log=log)
             results["status"] = "finished"
             results["seconds"] = time.perf_counter() - started
@@ -155,8 +156,10 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
     return results
 
 
-def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, model_name: str, log):
-    """Open the parent MLflow run; on a store error, record it and go on without tracking (None)."""
+def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, model_name: str, log,
+                  parent_run: str | None = None):
+    """Open the run's MLflow run (nested under ``parent_run``, a sweep's, when given); on a store error,
+    record it and go on without tracking (None)."""
     if tracker is None:
         return None
     try:
@@ -164,7 +167,7 @@ def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, 
             "config": results["config"], "seeds": results["seeds"], "packages": results["packages"],
             "git_commit": results["git_commit"], "model_info": results["model"]},
             {"config_hash": chash, "git_commit": results["git_commit"], "defense": ",".join(defense_names),
-             "model": model_name})
+             "model": model_name, **({"mlflow.parentRunId": parent_run} if parent_run else {})})
     except Exception as err:  # noqa: BLE001
         tracker.fail(f"cannot start the run: {err}")
         results["tracking"]["error"] = f"cannot log to MLflow store {tracker.uri!r}: {type(err).__name__}: {err}"
@@ -361,20 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"defence(s) applied in order, repeatable: a spec name:key=value,... (e.g. "
                         f"noise:sigma=0.1,placement=exposure) or a comma chain of names taking the flags below; "
                         f"names: {', '.join(DEFENSES)}")
-    g = p.add_argument_group("defence parameters")
+    g = p.add_argument_group("defence parameters (a comma list, or a|b in a spec, sweeps: one setting per value)")
     noise_default = f"--sigma-rel {_default_noise_sigma():g}"
-    g.add_argument("--sigma", type=arg(check_float, low=0.0), default=argparse.SUPPRESS,
+    g.add_argument("--sigma", type=arg(check_floats, low=0.0), default=argparse.SUPPRESS,
                    help=f"noise: absolute per-coordinate sigma (neither --sigma nor --sigma-rel: {noise_default})")
-    g.add_argument("--sigma-rel", type=arg(check_float, low=0.0), default=argparse.SUPPRESS,
+    g.add_argument("--sigma-rel", type=arg(check_floats, low=0.0), default=argparse.SUPPRESS,
                    help=f"noise: sigma as a multiple of the state RMS (neither --sigma nor --sigma-rel: {noise_default})")
-    g.add_argument("--placement", choices=("exposure", "model"), help="noise: on the exposed copy or inside the model")
+    g.add_argument("--placement", help="noise: on the exposed copy or inside the model (exposure, model)")
     g.add_argument("--quant", help="quant: weight kind (e.g. int8, nf4, fp4, none)")
     g.add_argument("--quant-activations", help="quant: activation kind of the exposed states")
-    g.add_argument("--tie-groups", type=int, help="tying: k-means groups of embedding rows")
-    g.add_argument("--tie-rare", type=int, help="tying: tie the m rarest tokens")
+    g.add_argument("--tie-groups", help="tying: k-means groups of embedding rows")
+    g.add_argument("--tie-rare", help="tying: tie the m rarest tokens")
     g.add_argument("--pool", help="pooling: mode (mean, max)")
-    g.add_argument("--pool-window", type=int, help="pooling: pool over windows of k positions")
-    g.add_argument("--pool-dims", type=int, help="pooling: pool groups of g hidden dims")
+    g.add_argument("--pool-window", help="pooling: pool over windows of k positions")
+    g.add_argument("--pool-dims", help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
     a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(RUN_ATTACKS)}")
     a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="decoder under Gaussian noise: radius = SipIt's loop stopping at the first token inside "
@@ -411,10 +414,13 @@ def run_command(args: argparse.Namespace) -> int:
     def log(*items, **kwargs):
         print(*items, **kwargs, flush=True)
 
+    options = vars(args)
+    progress = options.pop("progress")
+    configs = sweep_configs(**options)
+    if len(configs) > 1:
+        return _sweep_command(configs, progress, log)
     try:
-        options = vars(args)
-        results = run_benchmark(RunConfig.from_options(**{k: v for k, v in options.items() if k != "progress"}),
-                                progress=options["progress"], log=log)
+        results = run_benchmark(configs[0], progress=progress, log=log)
     except RunInterrupted as report:
         print(f"interrupted: {report}", file=sys.stderr)
         return 130
@@ -429,6 +435,22 @@ def run_command(args: argparse.Namespace) -> int:
     if results["tracking"].get("url"):
         print(f"mlflow run {results['tracking']['run_id']} (open with the command in mlflow/README.md): "
               f"{results['tracking']['url']}")
+    return 0
+
+
+def _sweep_command(configs: list[RunConfig], progress: bool, log) -> int:
+    """Several settings: benchmarks.sweep; print its table, or why it stopped (130)."""
+    from benchmarks.sweep import run_sweep
+
+    try:
+        summary = run_sweep(configs, progress=progress, log=log)
+    except KeyboardInterrupt as report:
+        print(f"interrupted: {report}; the finished settings are kept, a rerun skips them", file=sys.stderr)
+        return 130
+    print(summary["table"])
+    print(f"sweep: {summary['out']}/sweep.md, sweep.png; each setting in its own folder there")
+    if summary.get("url"):
+        print(f"mlflow parent run {summary['run_id']}: {summary['url']}")
     return 0
 
 

@@ -6,13 +6,18 @@ import pytest
 
 from benchmarks import run
 from benchmarks.cli import UsageError
-from benchmarks.config import RunConfig, legacy_specs, parse_spec
+from benchmarks.config import RunConfig, legacy_specs, parse_spec, sweep_configs
+
+
+def _configs_from_cli(*argv: str) -> list[RunConfig]:
+    options = vars(run.build_parser().parse_args(list(argv)))
+    options.pop("progress")
+    return sweep_configs(**options)
 
 
 def _config_from_cli(*argv: str) -> RunConfig:
-    options = vars(run.build_parser().parse_args(list(argv)))
-    options.pop("progress")
-    return RunConfig.from_options(**options)
+    (config,) = _configs_from_cli(*argv)
+    return config
 
 
 def test_spec_values_are_read_as_int_float_or_text():
@@ -60,3 +65,16 @@ def test_seeds_follow_the_run_seed():
                                        "utility": 5}
     assert RunConfig(seed=5, defenses=("noise:sigma=0.1",)).chain().params()["seed"] == 6
     assert RunConfig(seed=5, defenses=("noise:sigma=0.1,seed=42",)).chain().params()["seed"] == 42
+
+
+def test_sweeps_expand_into_one_config_per_setting_in_both_forms():
+    legacy = _configs_from_cli("--defense", "noise", "--sigma", "0.1,3,10", "--placement", "model,exposure")
+    assert [c.chain().params()["sigma"] for c in legacy] == [0.1, 0.1, 3.0, 3.0, 10.0, 10.0]
+    assert [c.chain().params()["placement"] for c in legacy] == ["model", "exposure"] * 3
+    specs = _configs_from_cli("--defense", "quant:weights=int8|nf4", "--defense", "noise:sigma=0.1|3,placement=model")
+    assert [c.defenses for c in specs] == [("quant:weights=int8", "noise:sigma=0.1,placement=model"),
+                                           ("quant:weights=int8", "noise:sigma=3,placement=model"),
+                                           ("quant:weights=nf4", "noise:sigma=0.1,placement=model"),
+                                           ("quant:weights=nf4", "noise:sigma=3,placement=model")]
+    assert len({c.hash() for c in legacy + specs}) == 10  # every setting has its own folder / resume key
+    assert _configs_from_cli("--defense", "pooling", "--pool", "mean", "--pool-window", "2,4")[1].chain().params()["k"] == 4

@@ -61,7 +61,7 @@ from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
-from benchmarks.search_study import MODES, check_same_config, create_study, make_config, trial_counts
+from benchmarks.search_study import MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
 from benchmarks.search_worker import run_worker
 from benchmarks.tracking import describe_error, redact
 
@@ -84,6 +84,7 @@ def run_search(
     n_prompts: int = 2,
     length: int = 8,
     utility_tokens: int = 128,
+    utility_use: str = "continued",
     attacks: list[str] | str = "sipit",
     budget: AttackBudget | dict | None = None,
     sigma_low: float = 0.01,
@@ -115,7 +116,7 @@ def run_search(
     _check_options(n_trials, workers, storage_wait, steps=(create_only, attach, report_only))
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
-                         attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
+                         utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment)
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -254,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-prompts", type=int, default=2)
     s.add_argument("--length", type=int, default=8)
     s.add_argument("--utility-tokens", type=int, default=128)
+    s.add_argument("--utility-use", default="continued", choices=UTILITY_USES,
+                   help="what the utility loss prices: continued = inference continued from the exposed states "
+                        "(exposure-only defences cost too; pooled exposures cannot serve it: +inf), served = the "
+                        "served model's perplexity (exposure-only defences cost nothing)")
     s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
     s.add_argument("--budget", type=_json_object, default=None,
                    help=f"attack budget JSON, default {AttackBudget().to_dict()}")

@@ -15,6 +15,8 @@ from pathlib import Path
 from benchmarks.search_runs import PARENT_ATTR, study_runs
 from benchmarks.search_study import trial_counts
 
+#: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
+USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states"}
 CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
               "recovery", "attacks", "feasible", "retry_of", "reused_from"]
 
@@ -55,7 +57,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
                          "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
     feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
     front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
-    answer = [r for r in feasible if r["ppl_rel_increase"] <= ppl_limit]
+    answer = [r for r in feasible if r["utility_loss"] <= ppl_limit]  # the perplexity increase of the study's use
     counts = trial_counts(study)
     return {
         "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
@@ -72,16 +74,20 @@ def _fmt_params(params: dict) -> str:
                      for k, v in params.items() if k != "family")
 
 
+def _agreement(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _group_line(group: str, g: dict) -> str:
     """The markdown table row of one group: its cheapest feasible setting, else its lowest recovery."""
     b = g["best"]
     if b is None:
         lo = g["lowest_recovery"]
         return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
-                f"{_fmt_params(lo['params'])}, ppl {100 * lo['ppl_rel_increase']:+.2f}%) | {lo['trial']} | | | |")
+                f"{_fmt_params(lo['params'])}, ppl {100 * lo['utility_loss']:+.2f}%) | {lo['trial']} | | | |")
     attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
     return (f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
-            f"{100 * b['ppl_rel_increase']:+.2f}% | {b['top1_agreement']:.3f} | {attacks} |")
+            f"{100 * b['utility_loss']:+.2f}% | {_agreement(b['top1_agreement'])} | {attacks} |")
 
 
 def format_report(report: dict) -> str:
@@ -91,7 +97,8 @@ def format_report(report: dict) -> str:
              f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
-             f"utility on {c['utility_tokens']} tokens; attacks {', '.join(c['attacks'])}", "",
+             f"utility ({USE_NAMES[c.get('utility_use', 'served')]}) on {c['utility_tokens']} tokens; "
+             f"attacks {', '.join(c['attacks'])}", "",
              "| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | ppl increase | "
              "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
     lines += [_group_line(group, g) for group, g in report["groups"].items()]
@@ -101,13 +108,13 @@ def format_report(report: dict) -> str:
         b = q["cheapest"]
         lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
                      f"{100 * q['ppl_limit']:.0f}%: trial {b['trial']} {b['group']} ({_fmt_params(b['params'])}), "
-                     f"ppl {100 * b['ppl_rel_increase']:+.2f}%, recovery {b['recovery']:.3f}.")
+                     f"ppl {100 * b['utility_loss']:+.2f}%, recovery {b['recovery']:.3f}.")
     else:
         lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
                      f"{100 * q['ppl_limit']:.0f}%.")
     lines.append("")
     lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
-        f"#{r['trial']} {r['group']} ppl {100 * r['ppl_rel_increase']:+.2f}% rec {r['recovery']:.3f}"
+        f"#{r['trial']} {r['group']} ppl {100 * r['utility_loss']:+.2f}% rec {r['recovery']:.3f}"
         for r in report["pareto_front"]))
     return "\n".join(lines)
 
@@ -122,11 +129,12 @@ def plot_report(report: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for group in sorted({r["group"] for r in report["trials"]}):
         mine = [r for r in report["trials"] if r["group"] == group]
-        ax.scatter([100 * r["ppl_rel_increase"] for r in mine], [r["recovery"] for r in mine], label=group, s=22)
-    front = report["pareto_front"]
-    ax.plot([100 * r["ppl_rel_increase"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
+        mine = [r for r in mine if math.isfinite(r["utility_loss"])]  # a use the setting cannot serve: not drawn
+        ax.scatter([100 * r["utility_loss"] for r in mine], [r["recovery"] for r in mine], label=group, s=22)
+    front = [r for r in report["pareto_front"] if math.isfinite(r["utility_loss"])]
+    ax.plot([100 * r["utility_loss"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
     ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
-    ax.set_xlabel("perplexity increase (%)")
+    ax.set_xlabel(f"perplexity increase (%), {USE_NAMES[report['config'].get('utility_use', 'served')]}")
     ax.set_ylabel("recovery (token accuracy, strongest attack)")
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_title(f"{report['config']['model']} layer {report['config']['layer']}: {report['study']}", fontsize=9)

@@ -5,9 +5,8 @@ reuses its members' distributions):
 
 - ``noise``: ``noise.sigma`` log-uniform in [sigma_low, sigma_high], a multiple of the state RMS
   (``relative_to='rms'``); ``noise.placement`` in (model, exposure). ``model`` injects the noise
-  inside the served network (costs perplexity), ``exposure`` only noises the exported copy (no
-  perplexity cost by construction; its cost is the exposure's fidelity, reported as
-  ``state_rel_l2``).
+  inside the served network, ``exposure`` only noises the exported copy: free for the served
+  model, not for inference continued from the exposed states (the ``utility_use`` below).
 - ``quant``: ``quant.mode`` in QUANT_MODES: bnb weights (int8/nf4/fp4), stored activations
   (act-int8/act-nf4/act-fp4) or both (nf4+act-nf4).
 - ``tying``: ``tying.groups`` log-uniform integer G in [V/64, V-1]: the number of distinct
@@ -17,6 +16,13 @@ reuses its members' distributions):
 - ``pooling``: ``pooling.mode`` in (mean, max), ``pooling.over`` in (all, window) and, for window,
   ``pooling.k`` in [2, prompt length].
 - ``quant+noise``: a chain, quant first (``quant.mode``, ``noise.sigma``, ``noise.placement``).
+
+A trial's utility loss (:func:`utility_loss`) prices one use of the states (``utility_use``):
+``continued`` (the default), the perplexity increase of inference continued from the exposed
+states (defenses.utility), under which exposure-only defences cost what their in-model twins cost
+and a pooled exposure, which cannot be continued, costs +inf; or ``served``, the served model's
+perplexity increase, under which every exposure-only defence is free (the search then answers
+"noise the exposed copy", whatever the noise does to anyone who uses it).
 
 Each trial (:func:`evaluate`) builds the defence with :func:`defenses.registry.make_chain`, measures
 its utility cost with :func:`defenses.utility.utility_cost` and its recovery (token accuracy) by the
@@ -29,6 +35,7 @@ corpus states passed through the defence's exposure (benchmarks.pipeline.train_s
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -112,12 +119,13 @@ class TrialContext:
     """What every trial of one worker shares: model, layer, prompts, seeds, budgets."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
-                 attacks: list[str], budget: AttackBudget, robust: str = "radius"):
+                 attacks: list[str], budget: AttackBudget, robust: str = "radius", utility_use: str = "served"):
         from sipit.whitebox import WhiteBox
 
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids
         self.clean_wb = WhiteBox(loaded.model)
         self.seed, self.utility_tokens, self.attacks, self.budget, self.robust = seed, utility_tokens, attacks, budget, robust
+        self.utility_use = utility_use
 
     def chain(self, names: list[str], params: dict):
         """The defence (its quantised / tied served copy is held by ``loaded`` and shared between trials
@@ -127,6 +135,14 @@ class TrialContext:
         if "noise" in names:
             params = dict(params, seed=self.seed + 1)
         return make_chain(names, **params)
+
+
+def utility_loss(util, use: str) -> float:
+    """The trial's utility loss for ``use``: the served model's relative perplexity increase, or that of
+    inference continued from the exposed states; a pooled exposure cannot be continued: +inf."""
+    if use == "served":
+        return float(util.ppl_rel_increase)
+    return math.inf if util.continued_ppl_rel_increase is None else float(util.continued_ppl_rel_increase)
 
 
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
@@ -155,9 +171,11 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     recovery = max(a["token_accuracy"] for a in attacks.values())
     sigmas = exposed.sigmas
     return {
-        "utility_loss": float(util.ppl_rel_increase),
+        "utility_loss": utility_loss(util, ctx.utility_use), "utility_use": ctx.utility_use,
+        "continued_ppl_rel_increase": util.continued_ppl_rel_increase,
         "ppl_rel_increase": float(util.ppl_rel_increase), "ppl_clean": util.ppl_clean, "ppl_served": util.ppl_served,
-        "top1_agreement": util.top1_agreement, "state_rel_l2": util.state_rel_l2,
+        "top1_agreement": util.top1_agreement if ctx.utility_use == "served" else util.continued_top1_agreement,
+        "state_rel_l2": util.state_rel_l2,
         "recovery": float(recovery), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
         "attacks": attacks, "defense_params": chain.params(), "sigma_abs_median": float(sorted(sigmas)[len(sigmas) // 2]),
         "seconds": time.perf_counter() - started,

@@ -15,8 +15,12 @@ from benchmarks.search_runs import PARENT_ATTR
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 
 MODES = ("constrained", "pareto")
+#: what a trial's utility loss prices (benchmarks.search_space.evaluate): the served model's perplexity, or that of
+#: inference continued from the exposed states (defenses.utility), under which exposure-only defences cost too
+UTILITY_USES = ("continued", "served")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
-               "utility_tokens", "attacks", "budget", "sigma_low", "sigma_high", "tying_method", "experiment")
+               "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
+               "experiment")
 
 
 def check_budget(budget) -> dict:
@@ -38,7 +42,7 @@ def check_budget(budget) -> dict:
 
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
-                attacks, budget, sigma_low, sigma_high, tying_method, experiment) -> dict:
+                attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued") -> dict:
     """Validated search configuration (everything that must agree between workers)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
@@ -65,10 +69,12 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
             raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
     if tying_method not in ("rare", "kmeans"):
         raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
+    if utility_use not in UTILITY_USES:
+        raise SearchUsageError(f"--utility-use must be one of {', '.join(UTILITY_USES)}, got {utility_use!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
-                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment)
+                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):
@@ -111,7 +117,8 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
 
 def check_same_config(stored: dict, given: dict) -> None:
     """SearchUsageError naming every key on which the stored and the given configuration differ."""
-    stored = {**stored, "budget": check_budget(stored.get("budget"))}  # studies stored before budgets were filled
+    # studies stored before budgets were filled, or before the utility use was chosen (they priced the served model)
+    stored = {"utility_use": "served", **stored, "budget": check_budget(stored.get("budget"))}
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "

@@ -27,7 +27,8 @@ def trial_context(config: dict):
     prompt_ids = [p.ids for p in named_prompt_set(config["prompts"], loaded.tokenizer, config["n_prompts"],
                                                   length=config["length"], seed=config["seed"]) if p.ids]
     return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
-                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]))
+                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
+                        utility_use=config.get("utility_use", "served"))
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):

@@ -148,8 +148,10 @@ CASES: list[Case] = [
          # now say whether the truth was in the shortlist)": None at the baseline, a bool since.
          filled=(r"^free\.beam\..*\.in_shortlist\[",)),
     # ---------------------------------------------------------------- benchmarks.search (sqlite storage)
+    # The recording priced the served model (the only utility then); --utility-use served keeps that comparison.
     Case("search-tiny-llama-sqlite", "search", ("--storage", "sqlite:///{tmp}/study.db", "--study", "regression",
-                                                "--n-trials", "4", *SEARCH_FAST, "--no-tracking", "--out", "{out}"),
+                                                "--n-trials", "4", *SEARCH_FAST, "--utility-use", "served",
+                                                "--no-tracking", "--out", "{out}"),
          ci=True),
     # ---------------------------------------------------------------- smollm2-135m (the bundled real model)
     Case("invert-smollm2-gradient-l1", "invert", (SMOL_TEXT, "--model", "smollm2-135m", "--layer", "1",

@@ -303,3 +303,24 @@ def test_default_out_dir_is_used_without_out(tmp_path, monkeypatch):
     out = tmp_path / "results" / "search-dflt"
     assert result["report"]["out"] == str(out) and (out / "report.md").is_file()
     assert (out / "trials" / "trial-0000.json").is_file()  # each trial's result, beside Optuna's copy
+
+
+def test_the_utility_use_prices_exposure_only_defences():
+    """Under the use "continued" (the default) exposure noise costs perplexity and pooling cannot serve
+    the use (+inf); under "served" both are free, which is what made the old search answer degenerate."""
+    import math
+
+    from benchmarks.search_space import AttackBudget, TrialContext, evaluate
+    from sipit.models import load_model
+
+    loaded = load_model("tiny-llama")
+    ids = [[5, 17, 42, 99]]
+    losses = {}
+    for use in ("continued", "served"):
+        ctx = TrialContext(loaded, 4, ids, seed=0, utility_tokens=64, attacks=["sipit"],
+                           budget=AttackBudget(k_prior=4, k_grad=4), utility_use=use)
+        noise = evaluate(ctx, ["noise"], dict(sigma=2.0, relative_to="rms", placement="exposure"))
+        pooled = evaluate(ctx, ["pooling"], dict(mode="mean", over="all"))
+        losses[use] = (noise["utility_loss"], pooled["utility_loss"], noise["top1_agreement"])
+    assert losses["served"][:2] == (0.0, 0.0) and losses["served"][2] == 1.0
+    assert losses["continued"][0] != 0.0 and losses["continued"][2] < 1.0 and math.isinf(losses["continued"][1])

@@ -306,6 +306,9 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
     def record(i: int, inv) -> None:
         ids = truths[i]
         inversions.append(inv)
+        token_text = results.setdefault("token_text", {})  # id -> text, for the HTML report
+        for token in (*ids, *inv.ids):
+            token_text.setdefault(str(token), tokenizer.decode([token]))
         for t, truth_tok in enumerate(ids):
             rec = inv.positions[t] if t < len(inv.positions) else None
             got = inv.ids[t] if t < len(inv.ids) else None

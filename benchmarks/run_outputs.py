@@ -21,8 +21,8 @@ class RunState:
 
 # --------------------------------------------------------------------------- outputs
 def write_outputs(out: Path, state: RunState) -> list[Path]:
-    """results.json, per_prompt.csv, per_position.csv and the plots, in ``out``."""
-    from benchmarks import plots
+    """results.json, per_prompt.csv, per_position.csv, the plots and report.html, in ``out``."""
+    from benchmarks import plots, report_html
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -42,10 +42,14 @@ def write_outputs(out: Path, state: RunState) -> list[Path]:
         writer.writerows(state.prompt_rows)
     paths.append(per_prompt)
     title = state.results.get("title", "")
-    paths.append(plots.recovery_vs_ratio(state.rows, out / "recovery_vs_ratio.png", title))
+    images = [plots.recovery_vs_ratio(state.rows, out / "recovery_vs_ratio.png", title)]
     margins = state.results.get("margins", {})
-    paths.append(plots.delta_distribution(margins.get("deltas", []), margins.get("noise_norms_all", []),
-                                          out / "delta_distribution.png", title))
+    images.append(plots.delta_distribution(margins.get("deltas", []), margins.get("noise_norms_all", []),
+                                           out / "delta_distribution.png", title))
+    paths += images
+    report = out / "report.html"
+    report.write_text(report_html.render(state.results, state.rows, images))
+    paths.append(report)
     results = out / "results.json"
     results.write_text(json.dumps(state.results, indent=2, default=str))
     paths.append(results)

@@ -244,3 +244,37 @@ class PrototypeHead:
 
     def predict(self, h: torch.Tensor) -> torch.Tensor:
         return self.scores(h).argmax(dim=-1)
+
+
+class InverseHeadAttack:
+    """The classification baseline built from the learned inverse heads (attacks.proposals): each
+    position classified on its own, without running the model: position 0 by the nearest row of the
+    position-0 table F (sipit.vocab_table, built offline like the heads' training states), later
+    positions by argmax_v log q(v | h~_t) of the head for that position. The same heads order exact
+    SipIt's candidates (attacks.policies.LearnedPolicy); here they decide alone (candidates_tried = 0)."""
+
+    name = "inverse-head"
+
+    def __init__(self, head_config=None):
+        from attacks.policies import LearnedPolicy
+
+        self.policy = LearnedPolicy(head_config) if head_config is not None else LearnedPolicy()
+
+    def invert(self, observed: torch.Tensor, whitebox, layer: int, tokenizer=None, length: int | None = None) -> Inversion:
+        layer = whitebox.resolve_layer(layer)
+        observed = whitebox.check_states(observed, length)
+        setup = self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer), may train: not timed
+        started = time.perf_counter()
+        ids = []
+        with torch.no_grad():
+            for t in range(observed.shape[0]):
+                if t == 0:
+                    scores = -(self.policy.table.states.float() - observed[0].float()).pow(2).sum(1)
+                else:
+                    scores = self.policy.head_log_probs(t, observed[t])
+                ids.append(int(scores.argmax()))
+        seconds = time.perf_counter() - started
+        records = [PositionRecord(position=t, token=v, distance=0.0, radius=0.0, candidates_tried=0,
+                                  seconds=seconds / len(ids), verified=False) for t, v in enumerate(ids)]
+        return Inversion(ids=ids, text=tokenizer.decode(ids) if tokenizer is not None else "", positions=records,
+                         seconds=seconds, vocab_size=whitebox.vocab_size, setup=setup)

@@ -22,8 +22,10 @@ the exposure (:func:`strongest`):
                                     (quantised activations: prior top-k + one gradient round)
     exact states                 -> "sipit-exact"   (SipIt, gradient policy + prior)
 
-The trained baseline (``softmax-head``, attacks.head) is named here too but is trained, not built:
-:data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
+The trained baseline (``softmax-head``, attacks.head) is named here too but is trained per run, not
+built: :data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
+``inverse-head`` is the classification baseline made of the learned inverse heads (attacks.head.
+InverseHeadAttack; trained once per model and layer and cached, attacks.proposals).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from attacks.head import InverseHeadAttack
 from attacks.policies import GradientPolicy, RandomPolicy
 from attacks.pooled import PooledBeamAttack
 from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
@@ -79,13 +82,14 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "map": lambda e, o: MapDecoder(e.sigma, **(o.shortlist or {})),
     "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, **(o.shortlist or {})),
     "pooled-beam": _pooled,
+    "inverse-head": lambda e, o: InverseHeadAttack(),
 }
 #: --robust choice -> the decoder used under Gaussian noise
 ROBUST = {"radius": "nn-heuristic", "map": "map", "beam": "beam", "shortlist": "nn-shortlist"}
 #: attacks that are trained on a corpus rather than built (benchmarks.pipeline trains them)
 TRAINED = ("softmax-head",)
 #: the names a benchmark run accepts in --attacks
-RUN_ATTACKS = ("sipit", "softmax-head", "bruteforce")
+RUN_ATTACKS = ("sipit", "softmax-head", "inverse-head", "bruteforce")
 #: attacks whose ``verified`` flags mean "exact acceptance" on exact exposure (attacks.result.layer_hint)
 EXACT_ATTACKS = ("sipit", "bruteforce")
 

@@ -25,6 +25,10 @@ Attacks (``--attacks``, comma list):
   (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
   ``softmax-head-adaptive`` trained on states passed through the defence's exposure.
   candidates_tried = 0 (it never runs the model).
+- ``inverse-head``: the classification baseline made of the learned inverse heads (attacks.head.
+  InverseHeadAttack: position 0 from the position-0 table, later positions by the head's argmax;
+  trained once per model and layer on a large offline corpus and cached, minutes at smollm2's deep
+  layers the first time). Trained on clean states (no noise-adapted variant yet).
 - ``bruteforce``: SipIt with a random candidate order (optional; ~V/2 candidates per position).
 
 Margins: Delta_t over the full vocabulary costs V candidate positions (~60 s per position at the
@@ -293,7 +297,7 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
         decoder = f"SoftmaxHead({variant})"
     else:
         make = lambda i: attack_for(exposed, i, kind, options)  # noqa: E731
-        decoder = describe(make(0)) if kind == "sipit" else "SipIt(random order)"
+        decoder = "SipIt(random order)" if kind == "bruteforce" else describe(make(0))
     summary["decoder"] = decoder
     child = None
     if tracker is not None:

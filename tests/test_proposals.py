@@ -140,3 +140,26 @@ def test_learned_policy_needs_the_tokenizer(tiny_llama):
     observed = wb.states([5, 6, 7], 1)
     with pytest.raises(ValueError, match="tokenizer"):
         SipIt(LearnedPolicy(SMALL)).invert(observed, wb, 1)
+
+
+def test_inverse_head_attack_classifies_without_running_the_model():
+    """The heads as the classification baseline: no candidate is stepped, position 0 comes from the
+    table, and on clean states it beats chance by far (and is never better than exact SipIt)."""
+    from attacks.head import InverseHeadAttack
+    from attacks.sipit import SipIt
+    from benchmarks.prompts import prompt_set
+
+    loaded, wb = fresh("tiny-llama")
+    attack = InverseHeadAttack(SMALL)
+    right = total = 0
+    for p in prompt_set(loaded.tokenizer, 3, length=8, seed=5):
+        observed = wb.states(p.ids, 2)
+        inv = attack.invert(observed, wb, 2, loaded.tokenizer, length=len(p.ids))
+        assert all(r.candidates_tried == 0 for r in inv.positions) and inv.setup
+        assert inv.ids[0] == p.ids[0]  # position 0 by lookup in the exact table
+        right += sum(a == b for a, b in zip(inv.ids, p.ids))
+        total += len(p.ids)
+        assert SipIt().invert(observed, wb, 2, loaded.tokenizer).ids == p.ids
+    assert right / total > 0.5  # chance is 1/512
+    with pytest.raises(ValueError, match="positions"):
+        attack.invert(observed, wb, 2, loaded.tokenizer, length=len(p.ids) + 1)

@@ -36,14 +36,23 @@ def test_memoised_builds_once_and_keeps_the_most_recently_used():
 
 
 def test_utility_clean_losses_are_held_by_the_loaded_model(monkeypatch):
-    calls = []
-    real = utility._nll_and_top1
+    calls, continuing = [], []
+    real, real_continued = utility._nll_and_top1, utility._continued
 
     def counted(model, ids, window):
-        calls.append(model)
+        if not continuing:  # the continued-inference pass (hooked model) is another measurement
+            calls.append(model)
         return real(model, ids, window)
 
+    def continued(*args, **kwargs):
+        continuing.append(True)
+        try:
+            return real_continued(*args, **kwargs)
+        finally:
+            continuing.pop()
+
     monkeypatch.setattr(utility, "_nll_and_top1", counted)
+    monkeypatch.setattr(utility, "_continued", continued)
     lm = load_model("tiny-llama")
     first = utility.utility_cost(lm, make_defense("noise", sigma=0.1), 2, n_tokens=128)
     again = utility.utility_cost(lm, make_defense("none"), 2, n_tokens=128)

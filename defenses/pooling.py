@@ -29,6 +29,17 @@ def reduce(x: torch.Tensor, mode: str, dim: int) -> torch.Tensor:
     return x.mean(dim=dim) if mode == "mean" else x.amax(dim=dim)
 
 
+def _size(name: str, value, over: str, needed_by: str, meaning: str) -> int | None:
+    """``value`` checked as an integer >= 1 when ``over == needed_by`` (then required), else it must be None."""
+    if over != needed_by:
+        if value is not None:
+            raise DefenseParamError(f"{name} is only used with over={needed_by!r} (got over={over!r})")
+        return None
+    if value is None:
+        raise DefenseParamError(f"over={needed_by!r} needs {name} ({meaning})")
+    return check_number(name, value, integer=True, minimum=1)
+
+
 class Pooling(Defense):
     name = "pooling"
     per_position = False
@@ -37,18 +48,8 @@ class Pooling(Defense):
     def __init__(self, mode: str = "mean", over: str = "all", k: int | None = None, g: int | None = None):
         check_choice("mode", mode, MODES)
         check_choice("over", over, OVER)
-        if over == "window":
-            if k is None:
-                raise DefenseParamError("over='window' needs k (window length in positions)")
-            k = check_number("k", k, integer=True, minimum=1)
-        elif k is not None:
-            raise DefenseParamError(f"k is only used with over='window' (got over={over!r})")
-        if over == "dims":
-            if g is None:
-                raise DefenseParamError("over='dims' needs g (hidden dims per group)")
-            g = check_number("g", g, integer=True, minimum=1)
-        elif g is not None:
-            raise DefenseParamError(f"g is only used with over='dims' (got over={over!r})")
+        k = _size("k", k, over, "window", "window length in positions")
+        g = _size("g", g, over, "dims", "hidden dims per group")
         self.mode, self.over, self.k, self.g = mode, over, k, g
 
     def pool_dims(self, states: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def test_cli_end_to_end_noise_then_mlflow_reads_back(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--defense", "bogus"], "choose from none, noise, quant, tying, pooling"),
-    (["--attacks", "sipit,magic"], "choose from sipit, softmax-head, bruteforce"),
+    (["--attacks", "sipit,magic"], "choose from sipit, softmax-head, inverse-head, bruteforce"),
     (["--defense", "noise", "--sigma", "-0.1"], "argument --sigma: must be a finite number >= 0"),
     (["--layer", "9"], "layer 9 out of range"),
 ])

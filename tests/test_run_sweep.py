@@ -54,3 +54,39 @@ def test_a_bad_value_anywhere_in_a_sweep_is_refused_before_any_setting_runs(tmp_
         code = exit_info.code
     assert code == 2 and "placement" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_ctrl_c_in_the_second_setting_keeps_the_first_and_fails_the_open_runs(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--model", "tiny-gpt2", "--attacks", "bruteforce", "--n-prompts", "10",
+           "--length", "4", "--utility-tokens", "0", "--margin-positions", "0", "--no-progress", "--defense", "noise",
+           "--sigma-rel", "0.001,0.002", "--tracking-uri", uri, "--experiment", "sw-int", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline, second = time.time() + 240, False
+    for line in proc.stderr:
+        second = second or "[sweep] 2/2" in line
+        if (second and "bruteforce prompt 2/10 done" in line) or time.time() > deadline:
+            break
+    assert proc.poll() is None and second, "the sweep ended before its second setting could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    summary = json.loads((out / "sweep.json").read_text())
+    assert summary["status"] == "interrupted" and len(summary["settings"]) == 1
+    first = summary["settings"][0]["config_hash"]
+    assert json.loads((out / first / "results.json").read_text())["status"] == "finished"
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("sw-int").experiment_id])
+    status = {r.data.tags.get("config_hash") or r.data.tags.get("kind") or r.data.tags.get("attack"): r.info.status
+              for r in runs if "attack" not in r.data.tags}
+    assert status.pop("sweep") == "FAILED" and status.pop(first) == "FINISHED"
+    assert list(status.values()) == ["FAILED"]  # the interrupted setting

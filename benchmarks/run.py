@@ -335,6 +335,7 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
             log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
 
     invert_all(exposed, make, tokenizer, progress=progress, desc=result_name, on_prompt=record)
+    summary.update(group_recovery(exposed.chain, truths, inversions))
     hint = layer_hint(inversions, exposed.layer) if kind in EXACT_ATTACKS and all(exposed.exact) else None
     if hint:
         summary["hint"] = hint
@@ -342,6 +343,21 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
     if child is not None:
         tracker.log_metrics(child, {k: v for k, v in summary.items() if k not in ("attack", "decoder")})
         tracker.finish(child)
+
+
+def group_recovery(chain, truths: list[list[int]], inversions: list) -> dict:
+    """Under weight tying, tied tokens have identical states: the attacker that knows the tied model
+    recovers at best the group. ``group_accuracy`` = fraction of positions whose recovered token is
+    in the true token's group; ``group_member_accuracy`` = of those, the fraction where the exact
+    token was picked (by the candidate order: the gradient ranking and the model's prior). {} without tying."""
+    tying = next((m for m in getattr(chain, "members", [chain]) if m.name == "tying"), None)
+    if tying is None:
+        return {}
+    groups = tying.groups()
+    pairs = [(a, b) for truth, inv in zip(truths, inversions) for a, b in zip(inv.ids, truth)]
+    in_group = [(a, b) for a, b in pairs if int(groups[a]) == int(groups[b])]
+    return {"group_accuracy": len(in_group) / len(pairs) if pairs else float("nan"),
+            "group_member_accuracy": sum(a == b for a, b in in_group) / len(in_group) if in_group else float("nan")}
 
 
 # --------------------------------------------------------------------------- CLI

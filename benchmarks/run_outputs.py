@@ -68,6 +68,11 @@ def format_table(results: dict) -> str:
         exact = f"{s['exact_match']:.2f} ± {s['exact_match_se']:.2f}"
         lines.append(f"{name:<24} {s.get('decoder', '')[:32]:<32} {exact:>13} {acc:>32} "
                      f"{s['seconds_per_prompt']:>9.3g} {s['candidates_per_position']:>9.1f}")
+    grouped = {name: s for name, s in results.get("attacks", {}).items() if "group_accuracy" in s}
+    if grouped:
+        lines.append("tied groups: " + "; ".join(f"{name} recovers the group at {s['group_accuracy']:.3f} of positions, "
+                                                 f"the exact member at {s['group_member_accuracy']:.3f} of those"
+                                                 for name, s in grouped.items()))
     u = results.get("utility") or {}
     if u:
         lines.append(f"defence utility: perplexity {u.get('ppl_clean', float('nan')):.3f} -> {u.get('ppl_served', float('nan')):.3f} "
@@ -102,7 +107,7 @@ def flat_metrics(results: dict) -> dict:
             metrics[f"margins.{key}"] = m[key]
     for name, s in results.get("attacks", {}).items():
         for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position",
-                    "exact_match_upper95", "token_accuracy_upper95", "bag_f1"):
+                    "exact_match_upper95", "token_accuracy_upper95", "bag_f1", "group_accuracy", "group_member_accuracy"):
             if key in s:
                 metrics[f"{name}.{key}"] = s[key]
     for variant, h in (results.get("heads") or {}).items():

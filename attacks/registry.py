@@ -20,7 +20,8 @@ the exposure (:func:`strongest`):
                                     "map", "beam" or "nn-shortlist"
     inexact, noise-free states   -> "nn-gradient": nearest neighbour on the cheap gradient shortlist
                                     (quantised activations: prior top-k + one gradient round)
-    exact states                 -> "sipit-exact"   (SipIt, gradient policy + prior)
+    exact states                 -> "sipit-exact"   (SipIt, ``options.policy`` order: gradient + prior by
+                                                     default, or the learned proposals)
 
 The trained baseline (``softmax-head``, attacks.head) is named here too but is trained per run, not
 built: :data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from attacks.head import InverseHeadAttack
-from attacks.policies import GradientPolicy, RandomPolicy
+from attacks.policies import RandomPolicy, make_policy
 from attacks.pooled import PooledBeamAttack
 from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
 from attacks.sipit import SipIt
@@ -56,6 +57,7 @@ class AttackOptions:
     robust: str = "radius"
     beam_width: int = 4
     seed: int = 0
+    policy: str = "gradient"  # exact SipIt's candidate order (attacks.policies.POLICIES)
     shortlist: dict | None = None  # CandidateScorer options of the shortlist decoders (nn-*, map, beam)
     max_candidates: int | None = None  # the radius stop's cap (nn-heuristic)
     pooled_beam: int | None = None
@@ -72,7 +74,7 @@ def _pooled(e: Exposure, o: AttackOptions):
 
 #: name -> builder(exposure, options). Adding an attack is one entry here.
 BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
-    "sipit-exact": lambda e, o: SipIt(GradientPolicy(), seed=o.seed),
+    "sipit-exact": lambda e, o: SipIt(make_policy(o.policy), seed=o.seed),
     "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
     "nn-heuristic": lambda e, o: NearestNeighbour(stop="heuristic", sigma=e.sigma,
                                                   **_given(max_candidates=o.max_candidates)),

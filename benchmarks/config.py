@@ -22,6 +22,7 @@ import itertools
 import json
 from dataclasses import asdict, dataclass, fields
 
+from attacks.policies import POLICIES
 from attacks.registry import ROBUST, RUN_ATTACKS
 from benchmarks.cli import UsageError, check_float, check_int, check_names
 
@@ -98,6 +99,7 @@ class RunConfig:
     defenses: tuple[str, ...] = ("none",)
     attacks: tuple[str, ...] = ("sipit", "softmax-head")
     robust: str = "radius"
+    policy: str = "gradient"
     beam_width: int = 4
     knows_defense: bool = True
     prompts: str = "mixed"
@@ -143,6 +145,7 @@ class RunConfig:
 
         check_names(list(self.attacks), RUN_ATTACKS, name="--attacks")
         check_names(self.robust, tuple(ROBUST), name="--robust")
+        check_names(self.policy, tuple(POLICIES), name="--policy")
         for name, low in MINIMUMS.items():
             check_int(getattr(self, name), low=low, name=flag(name))
         if self.prompts not in PROMPT_SETS:
@@ -185,6 +188,8 @@ class RunConfig:
         chain = self.chain()
         return dict(model=self.model, layer=self.layer, defense=self.defense_names(), defense_params=chain.params(),
                     attacks=list(self.attacks), robust=self.robust, beam_width=self.beam_width,
+                    # the policy is recorded when not the default, so earlier runs keep their hash (sweep resume)
+                    **({"policy": self.policy} if self.policy != "gradient" else {}),
                     knows_defense=self.knows_defense, prompts=self.prompts, n_prompts=self.n_prompts,
                     length=self.length, seed=self.seed, head_tokens=self.head_tokens, head_epochs=self.head_epochs,
                     margin_positions=self.margin_positions, utility_tokens=self.utility_tokens,

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 
+from attacks.policies import POLICIES
 from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
 from benchmarks.config import MINIMUMS, RunConfig, sweep_configs
 from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
@@ -254,7 +255,8 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
     if "softmax-head" in attack_names and chain.name != "none":
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
-    options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"])
+    options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
+                            policy=config.policy)
     for result_name, kind in plan:
         log(f"[run] attack {result_name} started", file=sys.stderr)
         if kind.startswith("head") and not chain.per_position:
@@ -406,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="decoder under Gaussian noise: radius = SipIt's loop stopping at the first token inside "
                    "the chi-square noise radius (heuristic), map = greedy MAP, beam = MAP beam search with "
                    "backtracking, shortlist = nearest neighbour on MAP's shortlist (attacks.registry.ROBUST)")
+    a.add_argument("--policy", default="gradient", choices=sorted(POLICIES),
+                   help="exact SipIt's candidate order on exact exposure: gradient (+ prior), learned (position-0 "
+                        "table and inverse heads: trained once per model and layer, then ~25 candidates per "
+                        "position at smollm2's last layer), random")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")

@@ -78,3 +78,15 @@ def test_sweeps_expand_into_one_config_per_setting_in_both_forms():
                                            ("quant:weights=nf4", "noise:sigma=3,placement=model")]
     assert len({c.hash() for c in legacy + specs}) == 10  # every setting has its own folder / resume key
     assert _configs_from_cli("--defense", "pooling", "--pool", "mean", "--pool-window", "2,4")[1].chain().params()["k"] == 4
+
+
+def test_policy_option_reaches_exact_sipit_and_is_checked():
+    from attacks.registry import AttackOptions, Exposure, build
+
+    config = _config_from_cli("--policy", "learned")
+    assert config.policy == "learned" and config.record()["policy"] == "learned"
+    assert "policy" not in RunConfig().record() and RunConfig().hash() == _config_from_cli().hash()
+    assert build("sipit", Exposure(), AttackOptions(policy=config.policy)).name == "sipit-learned"
+    assert build("sipit", Exposure(sigma=0.5), AttackOptions(policy="learned")).name == "nn-heuristic"
+    with pytest.raises(UsageError, match="--policy"):
+        RunConfig(policy="psychic").validate()

@@ -58,6 +58,11 @@ class Defense(ABC):
         """The white-box model an adaptive attacker holds (default: the clean model)."""
         return loaded
 
+    @property
+    def alters_exposure(self) -> bool:
+        """Whether :meth:`expose` changes the served model's states (default: it returns them as they are)."""
+        return False
+
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
         return 0.0
@@ -167,6 +172,10 @@ class Chain(Defense):
         for member in self.members:
             loaded = member.serve(loaded, layer)
         return loaded
+
+    @property
+    def alters_exposure(self) -> bool:  # type: ignore[override]
+        return any(m.alters_exposure for m in self.members)
 
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         for member in self.members:

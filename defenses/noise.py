@@ -104,6 +104,10 @@ class GaussianNoise(Defense):
         served.model._sipit_noise_hook = self  # marks the copy for inspection
         return served
 
+    @property
+    def alters_exposure(self) -> bool:
+        return self.placement == "exposure"
+
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if self.placement == "model":
             return states  # the served model's layer-l states already carry the noise

@@ -65,6 +65,10 @@ class Pooling(Defense):
         """Positions per pooled row for a prompt of ``length`` tokens."""
         return {"all": length, "window": self.k, "dims": 1}[self.over]
 
+    @property
+    def alters_exposure(self) -> bool:
+        return True
+
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if states.dim() != 2 or states.shape[0] == 0:
             raise DefenseParamError(f"pooling expects layer-l states of shape (T, d), got {tuple(states.shape)}")

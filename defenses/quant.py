@@ -137,6 +137,10 @@ class Quantization(Defense):
 
         return self.served_copy(loaded, build)
 
+    @property
+    def alters_exposure(self) -> bool:
+        return self.activations != "none"
+
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return quantize_activations(states, self.activations, self.blocksize)
 

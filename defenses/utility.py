@@ -170,7 +170,9 @@ def utility_cost(
         report.state_cosine = float(torch.nn.functional.cosine_similarity(exposed.float(), states_clean.float(), dim=-1).mean())
     # after the fidelity probe: an in-model noise hook draws from the served model's own stream
     if defense.per_position:
-        nll_cont, top1_cont = _continued(served, defense, layer, ids, window, seed)
+        # an exposure equal to the served states continues exactly as the served model: no second pass
+        nll_cont, top1_cont = (_continued(served, defense, layer, ids, window, seed) if defense.alters_exposure
+                               else (nll_served, top1_served))
         report.continued_ppl = math.exp(float(nll_cont.mean()))
         report.continued_ppl_rel_increase = report.continued_ppl / ppl_clean - 1.0
         report.continued_top1_agreement = float((top1_cont == top1_clean).float().mean())

@@ -292,4 +292,10 @@ def test_continued_inference_prices_what_leaks_from_the_exposed_copy(llama):
     assert abs(inside.continued_top1_agreement - outside.continued_top1_agreement) < 0.1
     pooled = utility_cost(llama, make_defense("pooling", mode="mean", over="all"), 2, n_tokens=256)
     assert pooled.continued_ppl is None and pooled.continued_top1_agreement is None
+    # only an exposure that changes the states needs its own pass; the others continue as served
+    assert [d.alters_exposure for d in (make_defense("none"), make_defense("quant", weights="int8"),
+                                        make_defense("noise", sigma=1.0, placement="model"),
+                                        make_defense("noise", sigma=1.0), make_chain(["quant", "noise"], weights="int8"))
+            ] == [False, False, False, True, True]
+    assert inside.continued_ppl == inside.ppl_served
     assert torch.equal(WhiteBox(llama.model).states(_ids(6), 3), before)  # no hook left on the clean model

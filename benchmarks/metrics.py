@@ -12,7 +12,18 @@ they are not within a prompt: read it next to the clustered se.
 
 Order-free leakage: ``bag_f1`` is the mean over prompts of the F1 between the multisets of
 recovered and true tokens (overlap = sum_v min(#v recovered, #v true)), so a prompt recovered in
-the wrong order, or with a shifted span, still counts what leaked.
+the wrong order, or with a shifted span, still counts what leaked. Every attack here returns as many tokens as the prompt has, and then
+F1 = overlap / n_tokens, a proportion: its upper bound is the Clopper-Pearson one of the summed
+overlap over all true tokens, its se the per-prompt standard error.
+
+Private spans (benchmarks.prompts): a span is *eligible* when it lies whole in the prompt as
+attacked (the truncated prompt, decoded) and *leaked* when it occurs verbatim in the recovered text,
+anywhere (so an order-free attack that returns a name intact counts). ``span_recall`` = leaked /
+eligible over all prompts, with its Clopper-Pearson bound; its se treats spans as independent.
+
+:func:`rates` gives each rate as the object results.json carries (``value``, ``n``, ``se``,
+``upper95``); :func:`defence_leakage` is a defence's leakage: per rate, the maximum over every
+attacker that ran against it.
 """
 
 from __future__ import annotations
@@ -37,9 +48,49 @@ class AttackSummary:
     exact_match_upper95: float = float("nan")
     token_accuracy_upper95: float = float("nan")
     bag_f1: float = float("nan")
+    bag_f1_se: float = float("nan")
+    bag_f1_upper95: float = float("nan")
+    span_recall: float = float("nan")
+    span_recall_se: float = float("nan")
+    span_recall_upper95: float = float("nan")
+    n_spans: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "rates": rates(self)}
+
+
+#: the leakage rates reported per attack and per defence, with the count each is a rate over
+RATES = {"exact_match": "n_prompts", "token_accuracy": "n_tokens", "bag_f1": "n_tokens", "span_recall": "n_spans"}
+
+
+def rates(summary: AttackSummary) -> dict[str, dict]:
+    """Each rate of :data:`RATES` as ``{"value", "n", "se", "upper95"}`` (NaN value: nothing to rate)."""
+    return {name: {"value": getattr(summary, name), "n": getattr(summary, n_field),
+                   "se": getattr(summary, f"{name}_se"), "upper95": getattr(summary, f"{name}_upper95")}
+            for name, n_field in RATES.items()}
+
+
+def defence_leakage(attacks: dict[str, dict]) -> dict[str, dict]:
+    """A defence's leakage: per rate, the attack with the largest value (``attack``) and the largest
+    upper bound over all attacks (``upper95``), so a defence is judged by its strongest attacker."""
+    out = {}
+    for name in RATES:
+        rated = [(a, s["rates"][name]) for a, s in attacks.items() if "rates" in s and _finite(s["rates"][name]["value"])]
+        if not rated:
+            continue
+        attack, best = max(rated, key=lambda item: item[1]["value"])
+        out[name] = {**best, "attack": attack, "upper95": max(r["upper95"] for _, r in rated)}
+    return out
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(float(value))
+
+
+def span_leaks(spans, truth_text: str, recovered_text: str) -> tuple[list[str], list[str]]:
+    """The eligible and the leaked private spans of one prompt (module docstring)."""
+    eligible = [span for span in spans if span in truth_text]
+    return eligible, [span for span in eligible if span in recovered_text]
 
 
 def proportion_se(p: float, n: int) -> float:
@@ -55,13 +106,18 @@ def clopper_pearson_upper(k: int, n: int, level: float = 0.95) -> float:
     return 1.0 if k >= n else float(beta.ppf(level, k + 1, n - k))
 
 
-def bag_f1(recovered: list[int], truth: list[int]) -> float:
-    """F1 of the multisets of recovered and true tokens (module docstring)."""
+def bag_overlap(recovered: list[int], truth: list[int]) -> int:
+    """sum_v min(#v recovered, #v true): the tokens that leaked, whatever their order."""
     from collections import Counter
 
+    return sum((Counter(recovered) & Counter(truth)).values())
+
+
+def bag_f1(recovered: list[int], truth: list[int]) -> float:
+    """F1 of the multisets of recovered and true tokens (module docstring)."""
     if not recovered or not truth:
         return float(recovered == truth)
-    overlap = sum((Counter(recovered) & Counter(truth)).values())
+    overlap = bag_overlap(recovered, truth)
     if overlap == 0:
         return 0.0
     precision, recall = overlap / len(recovered), overlap / len(truth)
@@ -84,8 +140,10 @@ def clustered_accuracy(correct_per_prompt: list[list[bool]]) -> tuple[float, flo
     return mean, math.sqrt(sum(r * r for r in resid) / (k * (k - 1)))
 
 
-def summarise(attack: str, truths: list[list[int]], inversions: list) -> AttackSummary:
-    """Per-attack summary over the prompts inverted so far (``inversions[i]`` for ``truths[i]``)."""
+def summarise(attack: str, truths: list[list[int]], inversions: list,
+              span_counts: list[tuple[int, int]] | None = None) -> AttackSummary:
+    """Per-attack summary over the prompts inverted so far (``inversions[i]`` for ``truths[i]``;
+    ``span_counts[i]``: :func:`span_leaks` of prompt i, when the prompts carry private spans)."""
     pairs = list(zip(truths, inversions))
     n = len(pairs)
     exact = sum(inv.ids == truth for truth, inv in pairs) / n if n else float("nan")
@@ -94,6 +152,11 @@ def summarise(attack: str, truths: list[list[int]], inversions: list) -> AttackS
     n_tokens = sum(len(t) for t, _ in pairs)
     tried = sum(inv.candidates_tried for _, inv in pairs)
     vocab = max((inv.vocab_size for _, inv in pairs), default=0)
+    bags = [bag_f1(inv.ids, truth) for truth, inv in pairs]
+    overlap = sum(bag_overlap(inv.ids, truth) for truth, inv in pairs)
+    eligible = sum(e for e, _ in span_counts or [])
+    leaked = sum(k for _, k in span_counts or [])
+    span_recall = leaked / eligible if eligible else float("nan")
     return AttackSummary(
         attack=attack,
         exact_match=exact,
@@ -107,7 +170,13 @@ def summarise(attack: str, truths: list[list[int]], inversions: list) -> AttackS
         explored_fraction=tried / (n_tokens * vocab) if n_tokens and vocab else float("nan"),
         exact_match_upper95=clopper_pearson_upper(sum(inv.ids == truth for truth, inv in pairs), n),
         token_accuracy_upper95=clopper_pearson_upper(sum(sum(c) for c in correct), n_tokens),
-        bag_f1=statistics.fmean(bag_f1(inv.ids, truth) for truth, inv in pairs) if n else float("nan"),
+        bag_f1=statistics.fmean(bags) if n else float("nan"),
+        bag_f1_se=statistics.stdev(bags) / math.sqrt(n) if n > 1 else float("nan"),
+        bag_f1_upper95=clopper_pearson_upper(overlap, n_tokens),
+        span_recall=span_recall,
+        span_recall_se=proportion_se(span_recall, eligible) if eligible else float("nan"),
+        span_recall_upper95=clopper_pearson_upper(leaked, eligible),
+        n_spans=eligible,
     )
 
 

@@ -3,6 +3,12 @@
 The default mix is 90% natural / 10% random tokens, as in the paper's SipIt evaluation
 (docs/theory.md, "Reported numbers"). Natural prompts live in ``benchmarks/data/natural.txt`` (one per line, ``\\n`` for a
 line break inside code); each is tokenised and truncated to a fixed token count.
+
+Private spans: ``benchmarks/data/natural_spans.json`` marks, per natural prompt (keyed by its line),
+the substrings a user would fear to see come back: names, numbers (dates, amounts, account and
+ID numbers), e-mail and street addresses, credentials, medical terms. A prompt file given by path
+may carry the same marks in ``<file>.spans.json`` next to it. benchmarks.metrics counts a span as
+leaked only when it comes back verbatim.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 
 DATA_DIR = Path(__file__).parent / "data"
 NATURAL_FILE = DATA_DIR / "natural.txt"
+SPANS_SUFFIX = ".spans.json"
+NATURAL_SPANS = DATA_DIR / "natural_spans.json"
 PROMPT_SETS = ("mixed", "natural", "random")
 
 
@@ -24,6 +32,53 @@ class Prompt:
     ids: list[int]
     kind: str  # "natural" or "random"
     text: str = ""
+    spans: tuple[str, ...] = ()  # its private spans (module docstring), whole or cut by the truncation
+
+
+def spans_file(source: str | Path) -> Path:
+    """Where the private-span marks of a prompt file live (``natural.txt`` -> ``natural_spans.json``)."""
+    source = Path(source)
+    return NATURAL_SPANS if source.resolve() == NATURAL_FILE.resolve() else source.with_name(source.name + SPANS_SUFFIX)
+
+
+def read_spans(source: str | Path) -> dict[str, tuple[str, ...]]:
+    """Prompt text -> its private span texts, from :func:`spans_file` (empty when there is none).
+
+    The file maps each prompt's line (as written in the prompt file) to a list of
+    ``{"kind": ..., "text": ...}``; every span must occur in its prompt.
+    """
+    import json
+
+    path = spans_file(source)
+    if not path.is_file():
+        return {}
+    try:
+        marks = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ValueError(f"span file {path} is not valid JSON: {err}") from None
+    spans = {}
+    for line, items in marks.items():
+        text = line.replace("\\n", "\n")
+        bad = [item.get("text") for item in items if item.get("text", "") not in text or not item.get("text")]
+        if bad:
+            raise ValueError(f"span file {path}: {bad} not found in the prompt {line[:60]!r}")
+        spans[text] = tuple(item["text"] for item in items)
+    return spans
+
+
+def span_positions(tokenizer, ids: list[int], spans) -> list[int]:
+    """The token positions of ``ids`` whose characters overlap an occurrence of a span in the decoded
+    text (token t covers the characters between len(decode(ids[:t])) and len(decode(ids[:t+1])))."""
+    text = tokenizer.decode(ids)
+    ends = [len(tokenizer.decode(ids[: t + 1])) for t in range(len(ids))]
+    covered = set()
+    for span in spans:
+        start = text.find(span)
+        while start >= 0:
+            stop = start + len(span)
+            covered.update(t for t, end in enumerate(ends) if end > start and (ends[t - 1] if t else 0) < stop)
+            start = text.find(span, start + 1)
+    return sorted(covered)
 
 
 def read_texts(path: str | Path = NATURAL_FILE) -> list[str]:
@@ -83,7 +138,9 @@ def prompt_set(
             f"asked for {n_natural} natural prompts of {length} tokens, {source} has {len(long_enough)}"
         )
     order = torch.randperm(len(long_enough), generator=generator)[:n_natural].tolist()
-    prompts = [Prompt(ids=long_enough[i][1], kind="natural", text=long_enough[i][0]) for i in order]
+    spans = read_spans(source)
+    prompts = [Prompt(ids=long_enough[i][1], kind="natural", text=long_enough[i][0],
+                      spans=spans.get(long_enough[i][0], ())) for i in order]
     for _ in range(n_random):
         ids = random_ids(tokenizer, vocab_size, length, generator)
         prompts.append(Prompt(ids=ids, kind="random", text=tokenizer.decode(ids)))
@@ -105,5 +162,5 @@ def named_prompt_set(name_or_path: str, tokenizer, n: int, *, length: int = 20, 
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"unknown prompt set {name_or_path!r}: use one of {list(PROMPT_SETS)} or a file path")
-    texts = read_texts(path)[:n]
-    return [Prompt(ids=encode(tokenizer, t, length), kind="file", text=t) for t in texts]
+    texts, spans = read_texts(path)[:n], read_spans(path)
+    return [Prompt(ids=encode(tokenizer, t, length), kind="file", text=t, spans=spans.get(t, ())) for t in texts]

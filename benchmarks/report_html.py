@@ -4,7 +4,8 @@ Sections: the run's title and configuration; one row per attack (exact match, to
 its prompt-clustered se and 95% upper bound, bag-of-tokens F1, candidates per position); the
 defence's utility cost; per prompt, the true tokens and each attack's recovery side by side, token
 by token, recovered tokens in green and wrong ones in red (a position the attack never reached is
-grey); then the run's plots. Tokens are shown as the tokenizer decodes each one alone
+grey); the prompt's private spans are underlined in the truth, and each attack's line names the
+spans it gave back verbatim; then the run's plots. Tokens are shown as the tokenizer decodes each one alone
 (``results["token_text"]``), whitespace made visible.
 """
 
@@ -23,6 +24,8 @@ th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; font-size: 
 .ok { background: #cfc; }
 .wrong { background: #fbb; }
 .missing { background: #ddd; color: #888; }
+.private { text-decoration: underline 2px #a00; font-weight: bold; }
+.leak { color: #a00; font-weight: bold; }
 .prompt { margin: 1em 0; }
 img { max-width: 48%; margin-right: 1%; }
 """
@@ -40,35 +43,55 @@ def _fmt(value, spec: str) -> str:
 
 def attack_table(attacks: dict) -> str:
     rows = ["<table><tr><th>attack</th><th>decoder</th><th>exact match</th><th>token accuracy ± se</th>"
-            "<th>token acc. upper 95%</th><th>bag-of-tokens F1</th><th>candidates / position</th></tr>"]
+            "<th>token acc. upper 95%</th><th>bag-of-tokens F1</th><th>private spans leaked (upper 95%)</th>"
+            "<th>candidates / position</th></tr>"]
     for name, s in attacks.items():
         if "token_accuracy" not in s:
-            rows.append(f"<tr><td>{html.escape(name)}</td><td colspan=6>not run: {html.escape(str(s.get('skipped', '')))}</td></tr>")
+            rows.append(f"<tr><td>{html.escape(name)}</td><td colspan=7>not run: {html.escape(str(s.get('skipped', '')))}</td></tr>")
             continue
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(str(s.get('decoder', '')))}</td>"
                     f"<td>{_fmt(s.get('exact_match'), '.2f')}</td>"
                     f"<td>{s['token_accuracy']:.3f} ± {_fmt(s.get('token_accuracy_se'), '.3f')}</td>"
                     f"<td>{_fmt(s.get('token_accuracy_upper95'), '.3f')}</td><td>{_fmt(s.get('bag_f1'), '.3f')}</td>"
+                    f"<td>{_span_cell(s)}</td>"
                     f"<td>{_fmt(s.get('candidates_per_position'), '.1f')}</td></tr>")
     return "\n".join(rows + ["</table>"])
 
 
-def prompt_sections(rows: list[dict], text_of: dict) -> str:
-    """Per prompt: the truth, then one line per attack, token by token."""
+def _spans_line(leaked: list[str], spans: list[str]) -> str:
+    if not spans:
+        return ""
+    return (f'<br><span class="leak">leaked {len(leaked)}/{len(spans)} private spans: '
+            f'{html.escape(", ".join(leaked))}</span>' if leaked else f"<br>0/{len(spans)} private spans leaked")
+
+
+def _span_cell(s: dict) -> str:
+    n = s.get("n_spans") or 0
+    return "-" if not n else f"{round(s['span_recall'] * n)}/{n} ({s['span_recall_upper95']:.3f})"
+
+
+def prompt_sections(rows: list[dict], text_of: dict, prompts: list[dict] | None = None) -> str:
+    """Per prompt: the truth (private spans underlined), then one line per attack, token by token."""
     out = []
+    info = {p["index"]: p for p in prompts or []}
     for prompt in sorted({r["prompt"] for r in rows}):
+        spans = info.get(prompt, {}).get("spans", [])
+        private = set(info.get(prompt, {}).get("span_positions", []))
+        leaked = info.get(prompt, {}).get("spans_leaked", {})
         mine = [r for r in rows if r["prompt"] == prompt]
         attacks = list(dict.fromkeys(r["attack"] for r in mine))
         truth = [r["true_token"] for r in sorted((r for r in mine if r["attack"] == attacks[0]), key=lambda r: r["position"])]
         lines = [f'<div class="prompt"><b>prompt {prompt}</b><table>',
-                 "<tr><td>truth</td><td>" + "".join(_token(text_of, t, "truth") for t in truth) + "</td></tr>"]
+                 "<tr><td>truth</td><td>" + "".join(_token(text_of, t, "truth private" if pos in private else "truth")
+                                                    for pos, t in enumerate(truth)) + "</td></tr>"]
         for attack in attacks:
             got = sorted((r for r in mine if r["attack"] == attack), key=lambda r: r["position"])
             cells = "".join(_token(text_of, r["recovered_token"],
                                    "missing" if r["recovered_token"] is None else "ok" if r["correct"] else "wrong")
                             for r in got)
             n_ok = sum(bool(r["correct"]) for r in got)
-            lines.append(f"<tr><td>{html.escape(attack)} ({n_ok}/{len(got)})</td><td>{cells}</td></tr>")
+            lines.append(f"<tr><td>{html.escape(attack)} ({n_ok}/{len(got)})</td><td>{cells}"
+                         f"{_spans_line(leaked.get(attack, []), spans)}</td></tr>")
         out.append("\n".join(lines + ["</table></div>"]))
     return "\n".join(out)
 
@@ -98,8 +121,9 @@ def render(results: dict, rows: list[dict], images: list[Path]) -> str:
         "<h2>Attacks</h2>", attack_table(results.get("attacks", {})), utility,
         "<h2>What leaked, prompt by prompt</h2>",
         '<p><span class="tok ok">recovered</span> <span class="tok wrong">wrong</span> '
-        '<span class="tok missing">not reached</span> (· = space)</p>',
-        prompt_sections(rows, results.get("token_text", {})),
+        '<span class="tok missing">not reached</span> <span class="tok truth private">private span</span> '
+        '(· = space; a span leaks when it comes back verbatim)</p>',
+        prompt_sections(rows, results.get("token_text", {}), results.get("prompts")),
         "<h2>Plots</h2>", "".join(_image(p) for p in images if Path(p).is_file()),
         "</body></html>",
     ])

@@ -229,7 +229,7 @@ def _close(state: RunState, tracker, out_dir: Path, status: str, started: float)
 
 def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: int, chain, prompt_set, *, progress, log):
     """expose -> margins -> utility -> attacks (benchmarks.pipeline), recorded into ``state`` and MLflow."""
-    from benchmarks.metrics import median
+    from benchmarks.metrics import defence_leakage, median
     from benchmarks.pipeline import expose, margins_on_subset
 
     results = state.results
@@ -265,11 +265,22 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
             continue
         _attack(state, tracker, exposed, prompt_set, result_name, kind, options, seeds, loaded.tokenizer,
                 head_tokens=config.head_tokens, head_epochs=config.head_epochs, progress=progress, log=log)
-    results["prompts"] = [
-        {"index": i, "kind": p.kind, "truth_ids": p.ids, "truth_text": loaded.tokenizer.decode(p.ids),
-         "recovered": {r["attack"]: r["recovered_text"] for r in state.prompt_rows if r["prompt"] == i}}
-        for i, p in enumerate(prompt_set)
-    ]
+    results["leakage"] = defence_leakage(results["attacks"])
+    results["prompts"] = [_prompt_record(i, p, state.prompt_rows, loaded.tokenizer) for i, p in enumerate(prompt_set)]
+
+
+def _prompt_record(i: int, prompt, prompt_rows: list[dict], tokenizer) -> dict:
+    """What results.json keeps of prompt i: truth, each attack's recovery, its private spans (the
+    token positions they cover) and which of them each attack leaked verbatim."""
+    from benchmarks.prompts import span_positions
+
+    truth_text = tokenizer.decode(prompt.ids)
+    spans = [span for span in prompt.spans if span in truth_text]
+    mine = [r for r in prompt_rows if r["prompt"] == i]
+    return {"index": i, "kind": prompt.kind, "truth_ids": prompt.ids, "truth_text": truth_text,
+            "recovered": {r["attack"]: r["recovered_text"] for r in mine},
+            "spans": spans, "span_positions": span_positions(tokenizer, prompt.ids, spans),
+            "spans_leaked": {r["attack"]: r["spans_leaked"] for r in mine}}
 
 
 def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kind: str, options: AttackOptions,
@@ -277,7 +288,7 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
     """One attack over every exposed prompt: its summary, per-position and per-prompt rows, its MLflow run."""
     from attacks.result import layer_hint
     from benchmarks.corpus import corpus_windows, overlap_with
-    from benchmarks.metrics import summarise
+    from benchmarks.metrics import span_leaks, summarise
     from benchmarks.pipeline import attack_for, invert_all, train_softmax_head
 
     results, truths = state.results, exposed.prompt_ids
@@ -308,10 +319,14 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
     results["attacks"][result_name] = summary
     deltas = {tuple(k): d for k, d in zip(results["margins"]["positions"], results["margins"]["deltas"])}
     inversions: list = []
+    span_counts: list[tuple[int, int]] = []
 
     def record(i: int, inv) -> None:
         ids = truths[i]
         inversions.append(inv)
+        truth_text = tokenizer.decode(ids)
+        eligible, leaked = span_leaks(prompt_set[i].spans, truth_text, tokenizer.decode(inv.ids))
+        span_counts.append((len(eligible), len(leaked)))
         token_text = results.setdefault("token_text", {})  # id -> text, for the HTML report
         for token in (*ids, *inv.ids):
             token_text.setdefault(str(token), tokenizer.decode([token]))
@@ -330,9 +345,9 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
         state.prompt_rows.append({
             "attack": result_name, "prompt": i, "kind": prompt_set[i].kind, "exact": int(inv.ids == ids),
             "token_accuracy": sum(a == b for a, b in zip(inv.ids, ids)) / len(ids),
-            "truth_text": tokenizer.decode(ids), "recovered_text": inv.text,
+            "truth_text": truth_text, "recovered_text": inv.text, "spans": len(eligible), "spans_leaked": leaked,
         })
-        summary.update(summarise(result_name, truths[: i + 1], inversions).to_dict())
+        summary.update(summarise(result_name, truths[: i + 1], inversions, span_counts).to_dict())
         if not progress:
             log(f"[run] {result_name} prompt {i + 1}/{len(truths)} done", file=sys.stderr)
 

@@ -35,11 +35,12 @@ def write_outputs(out: Path, state: RunState) -> list[Path]:
         writer.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in fields} for r in state.rows)
     paths.append(per_position)
     per_prompt = out / "per_prompt.csv"
-    pfields = ["attack", "prompt", "kind", "exact", "token_accuracy", "truth_text", "recovered_text"]
+    pfields = ["attack", "prompt", "kind", "exact", "token_accuracy", "truth_text", "recovered_text", "spans",
+               "spans_leaked"]
     with per_prompt.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=pfields)
         writer.writeheader()
-        writer.writerows(state.prompt_rows)
+        writer.writerows({k: "; ".join(v) if isinstance(v, list) else v for k, v in r.items()} for r in state.prompt_rows)
     paths.append(per_prompt)
     title = state.results.get("title", "")
     images = [plots.recovery_vs_ratio(state.rows, out / "recovery_vs_ratio.png", title)]
@@ -68,6 +69,15 @@ def format_table(results: dict) -> str:
         exact = f"{s['exact_match']:.2f} ± {s['exact_match_se']:.2f}"
         lines.append(f"{name:<24} {s.get('decoder', '')[:32]:<32} {exact:>13} {acc:>32} "
                      f"{s['seconds_per_prompt']:>9.3g} {s['candidates_per_position']:>9.1f}")
+    spans = {name: s for name, s in results.get("attacks", {}).items() if s.get("n_spans")}
+    if spans:
+        lines.append("private spans leaked verbatim: " + "; ".join(
+            f"{name} {round(s['span_recall'] * s['n_spans'])}/{s['n_spans']} (95% upper {s['span_recall_upper95']:.3f})"
+            for name, s in spans.items()))
+    leak = results.get("leakage") or {}
+    if leak:
+        lines.append("defence leakage (max over attacks, 95% upper): " + ", ".join(
+            f"{name} {r['value']:.3f} by {r['attack']} (<= {r['upper95']:.3f}, n={r['n']})" for name, r in leak.items()))
     grouped = {name: s for name, s in results.get("attacks", {}).items() if "group_accuracy" in s}
     if grouped:
         lines.append("tied groups: " + "; ".join(f"{name} recovers the group at {s['group_accuracy']:.3f} of positions, "
@@ -107,9 +117,13 @@ def flat_metrics(results: dict) -> dict:
             metrics[f"margins.{key}"] = m[key]
     for name, s in results.get("attacks", {}).items():
         for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position",
-                    "exact_match_upper95", "token_accuracy_upper95", "bag_f1", "group_accuracy", "group_member_accuracy"):
+                    "exact_match_upper95", "token_accuracy_upper95", "bag_f1", "bag_f1_upper95", "span_recall",
+                    "span_recall_upper95", "n_spans", "group_accuracy", "group_member_accuracy"):
             if key in s:
                 metrics[f"{name}.{key}"] = s[key]
+    for rate, r in (results.get("leakage") or {}).items():
+        metrics[f"defence.{rate}"] = r["value"]
+        metrics[f"defence.{rate}_upper95"] = r["upper95"]
     for variant, h in (results.get("heads") or {}).items():
         for key in ("train_accuracy", "heldout_accuracy", "heldout_accuracy_exposed", "coverage"):
             if h.get(key) is not None:

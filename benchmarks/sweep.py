@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,8 @@ from benchmarks.cli import default_out_dir
 from benchmarks.config import RunConfig, parse_spec
 
 SUMMARY_KEYS = ("exact_match", "exact_match_se", "exact_match_upper95", "token_accuracy", "token_accuracy_se",
-                "token_accuracy_upper95", "bag_f1", "candidates_per_position", "seconds_per_prompt")
+                "token_accuracy_upper95", "bag_f1", "span_recall", "span_recall_upper95", "n_spans",
+                "candidates_per_position", "seconds_per_prompt")
 UTILITY_KEYS = ("ppl_rel_increase", "top1_agreement", "continued_ppl_rel_increase", "continued_top1_agreement")
 
 
@@ -63,32 +65,63 @@ def _fmt(value, spec: str) -> str:
 def sweep_table(rows: list[dict]) -> str:
     """Markdown: a row per setting and attack, the metrics with their units."""
     lines = ["| setting | attack | exact match | token accuracy ± se | token acc. upper 95% | bag-of-tokens F1 "
-             "| ppl increase (served) | ppl increase (continued from exposed) |", "|---|---|---|---|---|---|---|---|"]
+             "| private spans leaked (upper 95%) | ppl increase (served) | ppl increase (continued from exposed) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("token_accuracy") is None:
-            lines.append(f"| {r['setting']} | {r['attack']} | (not run) | | | | | |")
+            lines.append(f"| {r['setting']} | {r['attack']} | (not run) | | | | | | |")
             continue
+        spans = (f"{_fmt(r.get('span_recall'), '.2f')} of {r['n_spans']} ({_fmt(r.get('span_recall_upper95'), '.2f')})"
+                 if r.get("n_spans") else "-")
         lines.append(f"| {r['setting']} | {r['attack']} | {_fmt(r['exact_match'], '.2f')} | "
                      f"{r['token_accuracy']:.3f} ± {_fmt(r['token_accuracy_se'], '.3f')} | "
-                     f"{_fmt(r['token_accuracy_upper95'], '.3f')} | {_fmt(r['bag_f1'], '.3f')} | "
+                     f"{_fmt(r['token_accuracy_upper95'], '.3f')} | {_fmt(r['bag_f1'], '.3f')} | {spans} | "
                      f"{_fmt(r['ppl_rel_increase'], '+.2%')} | {_fmt(r['continued_ppl_rel_increase'], '+.2%')} |")
     return "\n".join(lines)
 
 
+def noise_to_margin(results: dict) -> float | None:
+    """A setting's median ||n|| / median (Delta/2): where its noise sits against the margin (None
+    without noise or margins)."""
+    m = results.get("margins") or {}
+    norm, half = m.get("median_noise_norm"), m.get("median_half_delta")
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (norm, half))
+    return norm / half if ok and norm > 0 and half > 0 else None
+
+
+def _accuracy_curves(ax, settings: list[dict], rows: list[dict], xs: list) -> None:
+    """Token accuracy (+- se) of every attack at the settings' ``xs`` (None: left out)."""
+    for attack in dict.fromkeys(r["attack"] for r in rows):
+        mine = {r["config_hash"]: r for r in rows if r["attack"] == attack and r.get("token_accuracy") is not None}
+        pts = [(x, mine[s["config_hash"]]) for x, s in zip(xs, settings) if s["config_hash"] in mine and x is not None]
+        if pts:
+            ax.errorbar([x for x, _ in pts], [r["token_accuracy"] for _, r in pts], capsize=3, marker="o",
+                        yerr=[r["token_accuracy_se"] or 0 for _, r in pts], label=attack)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel("token accuracy (± prompt-clustered se)")
+
+
 def sweep_plot(settings: list[dict], rows: list[dict], path: Path, title: str) -> Path:
-    """Token accuracy (+- se) per attack against the swept parameter, and the utility cost beside it."""
+    """Token accuracy (+- se) per attack against the swept parameter and against median ||n|| / (Delta/2)
+    of each setting (when the settings add noise), and the utility cost beside them."""
     from benchmarks.plots import plt
 
     keys = list(settings[0]["values"]) if settings else []
     numeric = len(keys) == 1 and all(isinstance(s["values"][keys[0]], (int, float)) for s in settings)
     xs = [s["values"][keys[0]] for s in settings] if numeric else list(range(len(settings)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for attack in dict.fromkeys(r["attack"] for r in rows):
-        mine = {r["config_hash"]: r for r in rows if r["attack"] == attack and r.get("token_accuracy") is not None}
-        pts = [(x, mine[s["config_hash"]]) for x, s in zip(xs, settings) if s["config_hash"] in mine]
-        if pts:
-            left.errorbar([x for x, _ in pts], [r["token_accuracy"] for _, r in pts], capsize=3, marker="o",
-                          yerr=[r["token_accuracy_se"] or 0 for _, r in pts], label=attack)
+    ratios = [noise_to_margin(s["results"]) for s in settings]
+    panels = 3 if any(r is not None for r in ratios) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    left, right = axes[0], axes[-1]
+    _accuracy_curves(left, settings, rows, xs)
+    if panels == 3:
+        middle = axes[1]
+        _accuracy_curves(middle, settings, rows, ratios)
+        middle.axvline(1.0, color="grey", linestyle="--", linewidth=1)
+        middle.set_xscale("log")
+        middle.set_xlabel("median ||n|| / median (Delta/2) of the setting (dashed: 1, the margin)")
+        middle.set_title("recovery against the noise-to-margin ratio")
+        middle.legend(fontsize=8)
     for key, label in (("ppl_rel_increase", "served model"), ("continued_ppl_rel_increase", "continued from exposed")):
         util = [(x, (s["results"].get("utility") or {}).get(key)) for x, s in zip(xs, settings)]
         util = [(x, 100 * u) for x, u in util if u is not None]
@@ -102,8 +135,6 @@ def sweep_plot(settings: list[dict], rows: list[dict], path: Path, title: str) -
         else:
             ax.set_xticks(xs, [_label(s["values"]) for s in settings], rotation=20, fontsize=7)
         ax.legend(fontsize=8)
-    left.set_ylim(-0.05, 1.05)
-    left.set_ylabel("token accuracy (± prompt-clustered se)")
     right.set_ylabel("perplexity increase (%)")
     left.set_title(title)
     right.set_title("utility cost")
@@ -157,6 +188,12 @@ def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> 
                                         progress=progress, log=log, parent_run=parent)
             summary["settings"].append({"values": setting, "config_hash": config.hash(), "out": str(folder),
                                         "results": results})
+            if tracker is not None:  # the curves in the parent run's charts: step = setting index
+                try:
+                    tracker.log_sweep_step(parent, i, setting, results)
+                except Exception as err:  # noqa: BLE001 - the sweep's files still carry everything
+                    log(f"error: logging setting {i} on the sweep's MLflow run: {tracking.describe_error(err)}",
+                        file=sys.stderr)
             _write(summary, out, first)
         summary["status"] = "finished"
     except BaseException as err:

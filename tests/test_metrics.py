@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attacks.result import Inversion
-from benchmarks.metrics import bag_f1, clopper_pearson_upper, clustered_accuracy, summarise
+from benchmarks.metrics import bag_f1, clopper_pearson_upper, clustered_accuracy, defence_leakage, span_leaks, summarise
 
 
 def _inv(ids: list[int]) -> Inversion:
@@ -44,3 +44,30 @@ def test_summary_rates_bounds_and_clustered_se():
     assert s.bag_f1 == pytest.approx((1.0 + 0.5) / 2)  # the second prompt leaked {5, 6} out of order
     mean, se = clustered_accuracy([[True] * 4, [False] * 4])
     assert mean == 0.5 and se == pytest.approx(0.5)
+
+
+def test_a_span_leaks_only_when_it_comes_back_verbatim_and_only_if_the_prompt_holds_it():
+    spans = ("Alice Smith", "555-0199", "Baker Street")
+    truth = "My name is Alice Smith and my phone is 555-0199."  # "Baker Street" was cut off
+    assert span_leaks(spans, truth, "My name is Alice Smith and my phone is 555-0198.") == (
+        ["Alice Smith", "555-0199"], ["Alice Smith"])
+    assert span_leaks(spans, truth, "Alice Smyth, 555-0199") == (["Alice Smith", "555-0199"], ["555-0199"])
+    assert span_leaks(spans, truth, "555-0199 ... Alice Smith")[1] == ["Alice Smith", "555-0199"]  # order-free
+
+
+def test_rates_carry_value_n_se_and_upper_bound_and_the_defence_takes_the_strongest_attacker():
+    truths = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    exact = summarise("a", truths, [_inv([1, 2, 3, 4]), _inv([5, 6, 7, 8])], [(2, 2), (1, 1)]).to_dict()
+    shuffled = summarise("b", truths, [_inv([4, 3, 2, 1]), _inv([8, 7, 6, 5])], [(2, 0), (1, 0)]).to_dict()
+    assert exact["rates"]["bag_f1"]["value"] == 1.0 and shuffled["rates"]["bag_f1"]["value"] == 1.0
+    assert shuffled["rates"]["token_accuracy"] == {"value": 0.0, "n": 8, "se": 0.0,
+                                                   "upper95": pytest.approx(clopper_pearson_upper(0, 8))}
+    assert shuffled["rates"]["span_recall"]["value"] == 0.0 and shuffled["rates"]["span_recall"]["n"] == 3
+    assert exact["rates"]["span_recall"]["value"] == 1.0 and exact["rates"]["exact_match"]["upper95"] == 1.0
+    leak = defence_leakage({"a": exact, "b": shuffled})
+    assert leak["token_accuracy"]["attack"] == "a" and leak["token_accuracy"]["value"] == 1.0
+    assert leak["span_recall"] == {**exact["rates"]["span_recall"], "attack": "a"}
+    half = summarise("c", truths, [_inv([1, 2, 0, 0]), _inv([0, 0, 0, 0])]).to_dict()
+    assert math.isnan(half["span_recall"]) and half["n_spans"] == 0  # prompts without spans: no rate
+    assert "span_recall" not in defence_leakage({"c": half})
+    assert half["bag_f1_upper95"] == pytest.approx(clopper_pearson_upper(2, 8))

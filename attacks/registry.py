@@ -16,8 +16,9 @@ An attack is built from two things:
 the exposure (:func:`strongest`):
 
     pooled exposure              -> "pooled-beam"   (attacks.pooled.PooledBeamAttack)
-    sigma > 0                    -> ROBUST[options.robust]: "nn-heuristic" (radius, the default),
-                                    "map", "beam" or "nn-shortlist"
+    sigma > 0                    -> ROBUST[options.robust]: "nn-heuristic" (radius, the default:
+                                    SipIt's loop in ``options.policy`` order, stopping inside the noise
+                                    radius), "map", "beam" or "nn-shortlist"
     inexact, noise-free states   -> "nn-gradient": nearest neighbour on the cheap gradient shortlist
                                     (quantised activations: prior top-k + one gradient round)
     exact states                 -> "sipit-exact"   (SipIt, ``options.policy`` order: gradient + prior by
@@ -76,7 +77,7 @@ def _pooled(e: Exposure, o: AttackOptions):
 BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "sipit-exact": lambda e, o: SipIt(make_policy(o.policy), seed=o.seed),
     "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
-    "nn-heuristic": lambda e, o: NearestNeighbour(stop="heuristic", sigma=e.sigma,
+    "nn-heuristic": lambda e, o: NearestNeighbour(make_policy(o.policy), stop="heuristic", sigma=e.sigma,
                                                   **_given(max_candidates=o.max_candidates)),
     "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **(o.shortlist or {})),
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,

@@ -254,10 +254,12 @@ class _Shortlist:
         return Scored(torch.cat(self.ids), self.distances())
 
 
-def _inversion(records: list[PositionRecord], started: float, whitebox: WhiteBox, tokenizer) -> Inversion:
+def _inversion(records: list[PositionRecord], started: float, whitebox: WhiteBox, tokenizer,
+               setup: list[str]) -> Inversion:
     ids = [r.token for r in records]
     return Inversion(ids=ids, text=tokenizer.decode(ids) if tokenizer is not None else "",
-                     positions=records, seconds=time.perf_counter() - started, vocab_size=whitebox.vocab_size)
+                     positions=records, seconds=time.perf_counter() - started, vocab_size=whitebox.vocab_size,
+                     setup=setup)
 
 
 class RadiusScorer:
@@ -268,10 +270,15 @@ class RadiusScorer:
 
     exact = False
 
-    def __init__(self, policy: CandidatePolicy | None = None, *, alpha: float = 1e-3, batch_size: int = 16,
+    def __init__(self, policy: CandidatePolicy | None = None, *, alpha: float = 1e-3, batch_size: int | None = None,
                  max_candidates: int | None = None):
         self.policy = policy if policy is not None else GradientPolicy()
-        self.alpha, self.batch_size, self.max_candidates = alpha, batch_size, max_candidates
+        self.batch_size = self.policy.first_batch if batch_size is None else batch_size
+        self.alpha, self.max_candidates = alpha, max_candidates
+
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> list[str]:
+        """The policy's one-time resources for (model, ``layer``) (attacks.policies)."""
+        return self.policy.prepare(whitebox, layer, tokenizer)
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
               prior_logprobs: torch.Tensor | None, sigma: float | None = None, borrow: bool = False) -> Scored:
@@ -368,6 +375,8 @@ class MapBeamSearch:
         # The prior also orders the shortlist, so it is streamed even when it does not score.
         root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
         root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [])
+        prepare = getattr(self.scorer, "prepare", None)  # one-time per (model, layer): not timed below
+        setup = prepare(whitebox, layer, tokenizer) if prepare is not None else []
         started = time.perf_counter()
         beams: list[list[_Hyp]] = [[root]]  # beams[t] = hypotheses holding t tokens
         reserve: list[list[_Pending]] = [[]]  # reserve[t] = pruned children of beams[t-1], as a heap
@@ -398,7 +407,7 @@ class MapBeamSearch:
             reserve.append(pending)
         best = max(beams[T], key=lambda h: h.score)
         self.last_candidates = best.candidates
-        return _inversion(best.records, started, whitebox, tokenizer)
+        return _inversion(best.records, started, whitebox, tokenizer, setup)
 
 
 class MapDecoder(MapBeamSearch):
@@ -420,7 +429,7 @@ class NearestNeighbour(MapBeamSearch):
     :class:`RadiusScorer`)."""
 
     def __init__(self, policy: CandidatePolicy | None = None, stop: str = "exact", *, sigma: float = 0.0,
-                 alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int = 16,
+                 alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, batch_size: int | None = None,
                  max_candidates: int | None = None, progress: bool = False, **shortlist):
         """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
         if stop not in STOP_RULES:

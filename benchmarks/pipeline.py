@@ -128,11 +128,18 @@ def train_softmax_head(exposed: Exposed, variant: str, *, n_tokens: int, epochs:
 
 
 def margins_on_subset(exposed: Exposed, margin_positions: int, seed: int, *, progress: bool = False) -> dict:
-    """Delta_t over the full vocabulary (sipit.margins) on a seeded subset of ``margin_positions``
-    (prompt, position) pairs (-1: all), beside the noise norm ||n_t|| measured at every position."""
+    """Delta_t over the full vocabulary (sipit.margins) at position 0 of every prompt and at the later
+    positions among a seeded subset of ``margin_positions`` (prompt, position) pairs (-1: every
+    position), beside the noise norm ||n_t|| measured at every position.
+
+    Position 0 reads the position-0 table (sipit.vocab_table: one sweep of the vocabulary per model
+    and layer, cached on disk, the one the learned proposals use), so its margins cost nothing once
+    the table exists; every later position costs one sweep of the vocabulary on its prefix.
+    """
     from benchmarks.metrics import median
-    from sipit.margins import margin_from_distances
+    from sipit.margins import margin_from_distances, margin_from_states
     from sipit.sweep import sweep_distances
+    from sipit.vocab_table import position_zero_table
 
     started = time.perf_counter()
     all_norms = [n for row in exposed.noise_norms for n in row if n is not None]
@@ -140,19 +147,30 @@ def margins_on_subset(exposed: Exposed, margin_positions: int, seed: int, *, pro
     pairs = [(i, t) for i, ids in enumerate(truths) for t in range(len(ids))]
     if not exposed.chain.per_position:
         pairs = []
-    elif margin_positions != -1:
+    elif margin_positions != -1:  # the seeded subset, drawn over every position as before position 0 was free
         pick = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
         pairs = [pairs[j] for j in sorted(pick[:margin_positions].tolist())]
+    first = sorted({i for i, ids in enumerate(truths) if ids} if exposed.chain.per_position else set())
+    later = [(i, t) for i, t in pairs if t > 0]
     deltas: dict[tuple[int, int], float] = {}
-    for i, t in tqdm(pairs, desc=f"margins Delta (full vocab, {len(pairs)} positions)", disable=not progress, leave=False):
+    if first:
+        table = position_zero_table(wb, layer, progress=progress).states
+        deltas.update({(i, 0): margin_from_states(table, truths[i][0])[0] for i in first})
+    for i, t in tqdm(later, desc=f"margins Delta (full vocab, {len(later)} positions)", disable=not progress, leave=False):
         ids = torch.tensor(truths[i])
         prefix = wb.prefix_cache(ids[:t], layer)
         mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
         deltas[(i, t)] = margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
+    deltas = dict(sorted(deltas.items()))
+    half = {k: d / 2 for k, d in deltas.items()}
     return {
         "n_positions": len(deltas), "positions": [list(k) for k in deltas], "deltas": list(deltas.values()),
-        "median_half_delta": median([d / 2 for d in deltas.values()]),
+        "median_half_delta": median(half.values()),
+        "median_half_delta_position0": median(h for (_, t), h in half.items() if t == 0),
+        "median_half_delta_later": median(h for (_, t), h in half.items() if t > 0),
+        "n_later_positions": len(later),
         "median_noise_norm": median(all_norms), "n_noise_positions": len(all_norms),
         "noise_norms_all": all_norms, "seconds": time.perf_counter() - started,
-        "note": "Delta over the full vocabulary on a seeded subset of positions (--margin-positions)",
+        "note": "Delta over the full vocabulary at position 0 of every prompt (position-0 table) and at a "
+                "seeded subset of later positions (--margin-positions)",
     }

@@ -31,10 +31,16 @@ Attacks (``--attacks``, comma list):
   layers the first time). Trained on clean states (no noise-adapted variant yet).
 - ``bruteforce``: SipIt with a random candidate order (optional; ~V/2 candidates per position).
 
-Margins: Delta_t over the full vocabulary costs V candidate positions (~60 s per position at the
-last layer of smollm2 on 2 cores), so only ``--margin-positions`` seeded (prompt, position)
-pairs get one (default 1; -1 = every position, fine on tiny models). ||n_t|| is measured at every
-position (the benchmark knows the true states).
+Margins: Delta_t over the full vocabulary costs one sweep of V candidates (~100 s per position at
+the last layer of smollm2 on 2 cores). Position 0 of every prompt reads the position-0 table
+(built once per model and layer and cached; the learned proposals use the same table); of
+``--margin-positions`` seeded (prompt, position) pairs, each later position gets a sweep (-1 = every
+position, fine on tiny models). ||n_t|| is measured at every position (the benchmark knows the true states).
+
+Candidate order (``--policy``): ``learned`` (the default) orders exact SipIt's candidates, and the
+radius decoder's under noise, with the position-0 table and the inverse heads (attacks.proposals:
+trained once per model and layer, minutes the first time at smollm2's deep layers, then loaded in
+about a second); ``gradient`` skips every learned part.
 """
 
 from __future__ import annotations
@@ -419,14 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-window", help="pooling: pool over windows of k positions")
     g.add_argument("--pool-dims", help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
-    a.add_argument("--attacks", default="sipit,softmax-head", help=f"comma list from: {', '.join(RUN_ATTACKS)}")
+    a.add_argument("--attacks", default=",".join(DEFAULTS.attacks), help=f"comma list from: {', '.join(RUN_ATTACKS)}")
     a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="decoder under Gaussian noise: radius = SipIt's loop stopping at the first token inside "
                    "the chi-square noise radius (heuristic), map = greedy MAP, beam = MAP beam search with "
                    "backtracking, shortlist = nearest neighbour on MAP's shortlist (attacks.registry.ROBUST)")
-    a.add_argument("--policy", default="gradient", choices=sorted(POLICIES),
-                   help="exact SipIt's candidate order on exact exposure: gradient (+ prior), learned (position-0 "
-                        "table and inverse heads: trained once per model and layer, then ~25 candidates per "
-                        "position at smollm2's last layer), random")
+    a.add_argument("--policy", default=DEFAULTS.policy, choices=sorted(POLICIES),
+                   help="candidate order of exact SipIt and of the radius decoder under noise: learned (position-0 "
+                        "table and inverse heads: trained once per model and layer, then ~10 candidates per "
+                        "position at smollm2's last layer), gradient (+ prior; no learned parts), random")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")

@@ -95,7 +95,10 @@ def format_table(results: dict) -> str:
     m = results.get("margins") or {}
     if m:
         lines.append(f"margins: median Delta/2 = {m.get('median_half_delta', float('nan')):.4g} "
-                     f"({m.get('n_positions', 0)} positions), median ||n|| = {m.get('median_noise_norm', float('nan')):.4g} "
+                     f"({m.get('n_positions', 0)} positions: at position 0 "
+                     f"{m.get('median_half_delta_position0', float('nan')):.4g}, at {m.get('n_later_positions', 0)} "
+                     f"later positions {m.get('median_half_delta_later', float('nan')):.4g}), "
+                     f"median ||n|| = {m.get('median_noise_norm', float('nan')):.4g} "
                      f"(all {m.get('n_noise_positions', 0)} positions)")
     for variant, h in (results.get("heads") or {}).items():
         lines.append(f"head {variant}: train acc {h['train_accuracy']:.3f}, held-out acc {h['heldout_accuracy']:.3f}"
@@ -112,7 +115,8 @@ def flat_metrics(results: dict) -> dict:
         if value is not None:
             metrics[f"utility.{key}"] = value
     m = results.get("margins") or {}
-    for key in ("median_half_delta", "median_noise_norm", "n_positions", "seconds"):
+    for key in ("median_half_delta", "median_half_delta_position0", "median_half_delta_later", "median_noise_norm",
+                "n_positions", "seconds"):
         if key in m:
             metrics[f"margins.{key}"] = m[key]
     for name, s in results.get("attacks", {}).items():

@@ -165,7 +165,8 @@ CASES: list[Case] = [
                                                     "--policy", "gradient", "--max-tokens", "8", "--seed", "0")),
     Case("run-smollm2-noise-l1", "run", ("--model", "smollm2-135m", "--layer", "1", "--defense", "noise",
                                          "--sigma-rel", "0.05", "--margin-positions", "1", *SMOL_RUN),
-         ci=True, note="the one smollm2 case of the CI suite (~11 s)"),
+         ci=True, note="the one smollm2 case of the CI suite (~11 s); re-recorded at 6b6ec67 when the "
+                       "margins gained position 0 of every prompt (only the margins.* fields changed)"),
     Case("run-smollm2-noise-last", "run", ("--model", "smollm2-135m", "--layer", "-1", "--defense", "noise",
                                            "--sigma-rel", "0.05", "--margin-positions", "0", *SMOL_RUN)),
 ]

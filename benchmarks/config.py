@@ -108,7 +108,7 @@ class RunConfig:
     seed: int = 0
     head_tokens: int = 4096
     head_epochs: int = 40
-    margin_positions: int = 3
+    margin_positions: int = 6
     utility_tokens: int = 1024
     experiment: str = "sipit-bench"
     tracking_uri: str | None = None

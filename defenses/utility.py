@@ -19,6 +19,12 @@ Measures (:class:`UtilityReport`):
 - for per-position exposures, the fidelity of what leaks vs the clean layer-l states on the first
   ``fidelity_tokens`` tokens: relative L2 error ``||E - H||_F / ||H||_F`` and mean row cosine.
   (Pooled exposures have no per-position fidelity; their shape is reported.)
+- ``uses``: one object per use of the states, named (issue 14): ``served`` and ``continued`` (the
+  numbers above, under their use's name), and those of :mod:`defenses.uses` asked for by ``uses``
+  (``embedding_store``: retrieval recall@k of defended sentence vectors against a clean store;
+  ``probing``: clean-trained linear probes on defended states). Each object: ``name``,
+  ``applicable``, ``loss`` (the use's utility loss; ``None`` where the use does not apply),
+  ``metrics`` (flat scalars), ``setup``, ``seconds``. The flat fields above stay as they were.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from functools import lru_cache
 import torch
 
 from defenses.base import Defense
+from defenses.uses import USES, measure_uses
 from sipit.memo import memoised
 from sipit.models import LoadedModel
 from sipit.whitebox import WhiteBox
@@ -88,6 +95,7 @@ class UtilityReport:
     continued_ppl_rel_increase: float | None = None
     continued_top1_agreement: float | None = None
     exposure_shape: list[int] = field(default_factory=list)
+    uses: dict = field(default_factory=dict)  # use name -> {name, applicable, loss, metrics, setup, seconds}
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -140,8 +148,10 @@ def utility_cost(
     seed: int = 0,
     window: int = 1024,
     fidelity_tokens: int = 256,
+    uses=USES,
 ) -> UtilityReport:
-    """Perplexity, top-1 agreement and exposure fidelity of ``defense`` vs the clean model."""
+    """Perplexity, top-1 agreement and exposure fidelity of ``defense`` vs the clean model, and its cost
+    for each use (``uses``: which of :data:`defenses.uses.USES` to measure besides served / continued)."""
     started = time.perf_counter()
     ids = held_out_ids(clean.tokenizer, n_tokens, seed)
     window = min(window, _context(clean.model))
@@ -176,5 +186,16 @@ def utility_cost(
         report.continued_ppl = math.exp(float(nll_cont.mean()))
         report.continued_ppl_rel_increase = report.continued_ppl / ppl_clean - 1.0
         report.continued_top1_agreement = float((top1_cont == top1_clean).float().mean())
+    report.uses = {
+        "served": {"name": "served", "applicable": True, "loss": report.ppl_rel_increase,
+                   "metrics": {"ppl": ppl_served, "ppl_rel_increase": report.ppl_rel_increase,
+                               "top1_agreement": report.top1_agreement}},
+        "continued": {"name": "continued", "applicable": report.continued_ppl is not None,
+                      "loss": report.continued_ppl_rel_increase,
+                      "metrics": {"ppl": report.continued_ppl, "ppl_rel_increase": report.continued_ppl_rel_increase,
+                                  "top1_agreement": report.continued_top1_agreement}},
+    }
+    # last: a served model with in-model noise draws from its own stream, so the numbers above stay as before
+    report.uses.update(measure_uses(clean, served, defense, layer, uses, seed=seed))
     report.seconds = time.perf_counter() - started
     return report

@@ -33,8 +33,9 @@ environment (``$SIPIT_SEARCH_STORAGE``), and every message redacts passwords.
 
 Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= threshold, set with
 ``trial.set_constraint``; the value is copied to the user attribute ``constraint.recovery``) and
-``pareto`` (NSGA-II, minimise (utility loss, recovery)). Utility loss = relative perplexity
-increase of the served model on held-out text (defenses.utility). Samplers are seeded by
+``pareto`` (NSGA-II, minimise (utility loss, recovery)). Utility loss = the cost to the use named by
+``--utility-use`` (search_space.utility_loss: perplexity increase of the served model or of inference
+continued from the exposed states, recall@1 lost by an embedding store, accuracy lost by a probe). Samplers are seeded by
 (``seed``, worker index, trials in the study when the worker attached): a fresh 1-worker study is
 reproducible, a rerun draws new settings; with N workers the trial set depends on scheduling.
 
@@ -258,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--utility-use", default="continued", choices=UTILITY_USES,
                    help="what the utility loss prices: continued = inference continued from the exposed states "
                         "(exposure-only defences cost too; pooled exposures cannot serve it: +inf), served = the "
-                        "served model's perplexity (exposure-only defences cost nothing)")
+                        "served model's perplexity (exposure-only defences cost nothing), embedding_store = recall@1 "
+                        "lost by defended sentence vectors against a clean store, probing = accuracy lost by linear "
+                        "probes trained on clean states (defenses.uses; a use a defence cannot serve: +inf)")
     s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
     s.add_argument("--budget", type=_json_object, default=None,
                    help=f"attack budget JSON, default {AttackBudget().to_dict()}")

@@ -16,9 +16,18 @@ from benchmarks.search_runs import PARENT_ATTR, study_runs
 from benchmarks.search_study import trial_counts
 
 #: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
-USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states"}
+USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states",
+             "embedding_store": "embedding store (defended sentence vectors vs a clean store)",
+             "probing": "linear probes trained on clean states"}
+#: what the utility loss of each use is (long name, short name in the tables)
+LOSS_NAMES = {"served": ("perplexity increase", "ppl"), "continued": ("perplexity increase", "ppl"),
+              "embedding_store": ("recall@1 lost", "loss"), "probing": ("probe accuracy lost", "loss")}
 CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
               "recovery", "attacks", "feasible", "retry_of", "reused_from"]
+
+
+def _loss_names(config: dict) -> tuple[str, str]:
+    return LOSS_NAMES[config.get("utility_use", "served")]
 
 
 def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
@@ -78,13 +87,13 @@ def _agreement(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _group_line(group: str, g: dict) -> str:
+def _group_line(group: str, g: dict, short: str = "ppl") -> str:
     """The markdown table row of one group: its cheapest feasible setting, else its lowest recovery."""
     b = g["best"]
     if b is None:
         lo = g["lowest_recovery"]
         return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
-                f"{_fmt_params(lo['params'])}, ppl {100 * lo['utility_loss']:+.2f}%) | {lo['trial']} | | | |")
+                f"{_fmt_params(lo['params'])}, {short} {100 * lo['utility_loss']:+.2f}%) | {lo['trial']} | | | |")
     attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
     return (f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
             f"{100 * b['utility_loss']:+.2f}% | {_agreement(b['top1_agreement'])} | {attacks} |")
@@ -93,34 +102,36 @@ def _group_line(group: str, g: dict) -> str:
 def format_report(report: dict) -> str:
     """The report as markdown: header, one table row per group, the answer, the Pareto front."""
     c = report["config"]
+    long, short = _loss_names(c)
     lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
              f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
              f"utility ({USE_NAMES[c.get('utility_use', 'served')]}) on {c['utility_tokens']} tokens; "
              f"attacks {', '.join(c['attacks'])}", "",
-             "| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | ppl increase | "
+             f"| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | "
+             f"{'ppl increase' if short == 'ppl' else long} | "
              "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
-    lines += [_group_line(group, g) for group, g in report["groups"].items()]
+    lines += [_group_line(group, g, short) for group, g in report["groups"].items()]
     q = report["question"]
     lines.append("")
     if q["reached"]:
         b = q["cheapest"]
-        lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+        lines.append(f"A setting reaches recovery <= {report['threshold']:.3g} with {long} <= "
                      f"{100 * q['ppl_limit']:.0f}%: trial {b['trial']} {b['group']} ({_fmt_params(b['params'])}), "
-                     f"ppl {100 * b['utility_loss']:+.2f}%, recovery {b['recovery']:.3f}.")
+                     f"{short} {100 * b['utility_loss']:+.2f}%, recovery {b['recovery']:.3f}.")
     else:
-        lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with perplexity increase <= "
+        lines.append(f"No setting found reaches recovery <= {report['threshold']:.3g} with {long} <= "
                      f"{100 * q['ppl_limit']:.0f}%.")
     lines.append("")
     lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
-        f"#{r['trial']} {r['group']} ppl {100 * r['utility_loss']:+.2f}% rec {r['recovery']:.3f}"
+        f"#{r['trial']} {r['group']} {short} {100 * r['utility_loss']:+.2f}% rec {r['recovery']:.3f}"
         for r in report["pareto_front"]))
     return "\n".join(lines)
 
 
 def plot_report(report: dict, path: Path) -> Path:
-    """Recovery vs perplexity increase of every trial, by group, with the Pareto front and the threshold."""
+    """Recovery vs the study's utility loss of every trial, by group, with the Pareto front and the threshold."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +145,7 @@ def plot_report(report: dict, path: Path) -> Path:
     front = [r for r in report["pareto_front"] if math.isfinite(r["utility_loss"])]
     ax.plot([100 * r["utility_loss"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
     ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
-    ax.set_xlabel(f"perplexity increase (%), {USE_NAMES[report['config'].get('utility_use', 'served')]}")
+    ax.set_xlabel(f"{_loss_names(report['config'])[0]} (%), {USE_NAMES[report['config'].get('utility_use', 'served')]}")
     ax.set_ylabel("recovery (token accuracy, strongest attack)")
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_title(f"{report['config']['model']} layer {report['config']['layer']}: {report['study']}", fontsize=9)

@@ -22,7 +22,10 @@ A trial's utility loss (:func:`utility_loss`) prices one use of the states (``ut
 states (defenses.utility), under which exposure-only defences cost what their in-model twins cost
 and a pooled exposure, which cannot be continued, costs +inf; or ``served``, the served model's
 perplexity increase, under which every exposure-only defence is free (the search then answers
-"noise the exposed copy", whatever the noise does to anyone who uses it).
+"noise the exposed copy", whatever the noise does to anyone who uses it); ``embedding_store``, the
+recall@1 lost by defended sentence vectors against a clean store, or ``probing``, the accuracy lost
+by linear probes trained on clean states (defenses.uses: their ``loss``; pooled exposures serve the
+store, a probe only with per-position rows; a use a setting cannot serve costs +inf).
 
 Each trial (:func:`evaluate`) builds the defence with :func:`defenses.registry.make_chain`, measures
 its utility cost with :func:`defenses.utility.utility_cost` and its recovery (token accuracy) by the
@@ -139,10 +142,21 @@ class TrialContext:
 
 def utility_loss(util, use: str) -> float:
     """The trial's utility loss for ``use``: the served model's relative perplexity increase, or that of
-    inference continued from the exposed states; a pooled exposure cannot be continued: +inf."""
+    inference continued from the exposed states (a pooled exposure cannot be continued: +inf), or the
+    ``loss`` of a use of defenses.uses (``util.uses[use]``; not applicable: +inf)."""
     if use == "served":
         return float(util.ppl_rel_increase)
-    return math.inf if util.continued_ppl_rel_increase is None else float(util.continued_ppl_rel_increase)
+    if use == "continued":
+        return math.inf if util.continued_ppl_rel_increase is None else float(util.continued_ppl_rel_increase)
+    loss = util.uses[use]["loss"]
+    return math.inf if loss is None else float(loss)
+
+
+def measured_uses(use: str) -> tuple[str, ...]:
+    """The uses of defenses.uses a trial must measure to price ``use`` (served / continued need none)."""
+    from defenses.uses import USES
+
+    return (use,) if use in USES else ()
 
 
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
@@ -154,7 +168,7 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     started = time.perf_counter()
     chain = ctx.chain(names, params)
     loaded, layer = ctx.loaded, ctx.layer
-    util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed)
+    util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed, uses=measured_uses(ctx.utility_use))
     exposed = expose(chain, loaded, ctx.clean_wb, layer, ctx.prompt_ids, seed=ctx.seed + 1)
     attacks: dict[str, dict] = {}
     if "sipit" in ctx.attacks:
@@ -174,7 +188,8 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         "utility_loss": utility_loss(util, ctx.utility_use), "utility_use": ctx.utility_use,
         "continued_ppl_rel_increase": util.continued_ppl_rel_increase,
         "ppl_rel_increase": float(util.ppl_rel_increase), "ppl_clean": util.ppl_clean, "ppl_served": util.ppl_served,
-        "top1_agreement": util.top1_agreement if ctx.utility_use == "served" else util.continued_top1_agreement,
+        "top1_agreement": {"served": util.top1_agreement, "continued": util.continued_top1_agreement}.get(ctx.utility_use),
+        "use_metrics": util.uses[ctx.utility_use]["metrics"] if measured_uses(ctx.utility_use) else None,
         "state_rel_l2": util.state_rel_l2,
         "recovery": float(recovery), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
         "attacks": attacks, "defense_params": chain.params(), "sigma_abs_median": float(sorted(sigmas)[len(sigmas) // 2]),

@@ -17,7 +17,7 @@ from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 MODES = ("constrained", "pareto")
 #: what a trial's utility loss prices (benchmarks.search_space.evaluate): the served model's perplexity, or that of
 #: inference continued from the exposed states (defenses.utility), under which exposure-only defences cost too
-UTILITY_USES = ("continued", "served")
+UTILITY_USES = ("continued", "served", "embedding_store", "probing")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
                "experiment")

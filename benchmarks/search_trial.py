@@ -87,7 +87,7 @@ def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
     for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
-                "strongest_attack", "seconds", "sigma_abs_median", "reused_from"):
+                "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
@@ -109,7 +109,7 @@ def _reuse(study, trial) -> dict | None:
             u = t.user_attrs
             attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                              "recovery", "strongest_attack", "sigma_abs_median")},
+                                              "recovery", "strongest_attack", "sigma_abs_median", "use_metrics")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}
     return None

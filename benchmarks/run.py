@@ -152,7 +152,8 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
     state = RunState(results)
     with interrupt_once():
         try:
-            tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log, parent_run)
+            tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log, parent_run,
+                                    prompt_set=prompt_set, tokenizer=loaded.tokenizer)
             _run(state, tracker, c, loaded, clean_wb, layer_r, chain, prompt_set, progress=progress, log=log)
             results["status"] = "finished"
             results["seconds"] = time.perf_counter() - started
@@ -168,9 +169,9 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
 
 
 def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, model_name: str, log,
-                  parent_run: str | None = None):
-    """Open the run's MLflow run (nested under ``parent_run``, a sweep's, when given); on a store error,
-    record it and go on without tracking (None)."""
+                  parent_run: str | None = None, prompt_set=(), tokenizer=None):
+    """Open the run's MLflow run (nested under ``parent_run``, a sweep's, when given) with the prompt set
+    as its dataset input; on a store error, record it and go on without tracking (None)."""
     if tracker is None:
         return None
     try:
@@ -179,6 +180,15 @@ def _start_parent(tracker, results: dict, defense_names: list[str], chash: str, 
             "git_commit": results["git_commit"], "model_info": results["model"]},
             {"config_hash": chash, "git_commit": results["git_commit"], "defense": ",".join(defense_names),
              "model": model_name, **({"mlflow.parentRunId": parent_run} if parent_run else {})})
+        if prompt_set:
+            c = results["config"]
+            texts = [tokenizer.decode(p.ids) for p in prompt_set]  # spans: those whole in the text, as results.json
+            rows = [{"index": i, "kind": p.kind, "text": text, "ids": p.ids,
+                     "spans": [s for s in getattr(p, "spans", ()) if s in text]}
+                    for i, (p, text) in enumerate(zip(prompt_set, texts))]
+            tracker.log_prompts(tracker.parent_id, rows, f"prompts-{Path(str(c['prompts'])).name}-{len(rows)}x{c['length']}",
+                                {"prompts": c["prompts"], "length": c["length"], "seed": results["seeds"]["prompts"],
+                                 "tokenizer": model_name})
     except Exception as err:  # noqa: BLE001
         tracker.fail(f"cannot start the run: {err}")
         results["tracking"]["error"] = f"cannot log to MLflow store {tracker.uri!r}: {type(err).__name__}: {err}"

@@ -170,7 +170,8 @@ def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> 
             tracker = tracking.Tracker(first.tracking_uri, first.experiment)
             parent = tracker.start_parent(f"sweep-{digest[:6]}", {"settings": [_label(v) for v in values],
                                                                   "config": first.record()},
-                                          {"sweep_hash": digest, "model": first.model, "kind": "sweep"})
+                                          {"sweep_hash": digest, "model": first.model, "kind": "sweep",
+                                           "defense": ",".join(first.defense_names())})
         except Exception as err:  # noqa: BLE001 - the sweep still runs and writes its files
             log(f"error: {err}\n  -> the sweep continues without MLflow; results in {out}", file=sys.stderr)
             tracker, parent = None, None

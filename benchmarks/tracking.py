@@ -46,6 +46,16 @@ DEFAULT_EXPERIMENT = "sipit-bench"
 PACKAGES = ("torch", "transformers", "tokenizers", "mlflow", "numpy", "scipy", "bitsandbytes", "gguf", "sipit-bench")
 MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+NOTE_TAG = "mlflow.note.content"  # the experiment's description in MLflow's UI (markdown)
+NOTE_HEADING = "### How to read this dashboard (sipit-bench)"  # marks a description as ours: only ours is rewritten
+VIEW_KEY = "sipit-vs-head"  # the saved runs-table view: ``#/experiments/<id>?viewStateShareKey=sipit-vs-head``
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # where MLflow's UI keeps a shared view of an experiment
+#: The attacks, strongest-known first, whose rates the saved view puts side by side (absent ones stay empty).
+VIEW_ATTACKS = ("sipit", "softmax-head", "softmax-head-adaptive", "inverse-head")
+#: The rates compared per attack (``<attack>.<rate>``): all are fractions in [0, 1].
+VIEW_RATES = ("token_accuracy", "exact_match")
+PROMPTS_ARTIFACT = "prompts.csv"  # the rows of a run's dataset input (tracking.prompts_frame)
+VIEW_EXTRA = ("utility.ppl_rel_increase", "margins.median_noise_norm", "margins.median_half_delta")
 
 
 CHECK_TIMEOUT = 5.0
@@ -227,6 +237,82 @@ def finite_metrics(metrics: dict) -> dict[str, float]:
     return out
 
 
+def view_columns() -> list[str]:
+    """The runs-table columns of the saved view, in order: per rate, every attack's column side by side
+    (``sipit.token_accuracy``, ``softmax-head.token_accuracy``, ...), then the utility cost and the margins."""
+    metrics = [f"{attack}.{rate}" for rate in VIEW_RATES for attack in VIEW_ATTACKS] + list(VIEW_EXTRA)
+    return ["attributes.`Dataset`", "tags.`defense`"] + [f"metrics.`{key}`" for key in metrics]
+
+
+def dashboard_view() -> dict:
+    """MLflow UI state of the saved view (what the UI's Share button stores): the comparison columns."""
+    columns = view_columns()
+    widths = {c: 200 if c.startswith("metrics.") else 150 for c in columns if not c.startswith("attributes.")}
+    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths, "orderByKey": "attributes.start_time",
+            "orderByAsc": False, "compareRunsMode": "TABLE", "runListHidden": False, "viewMaximized": False,
+            "hideEmptyCharts": True}
+
+
+def dashboard_note(experiment_id: str) -> str:
+    """The experiment's description (markdown): what is in it and how to read the comparison."""
+    view = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    heads = ", ".join(f"`{a}.token_accuracy`" for a in VIEW_ATTACKS)
+    return f"""{NOTE_HEADING}
+
+**SipIt vs the classification heads:** open the saved view **[SipIt vs heads]({view})**: one row per
+run, the columns {heads} side by side, then `exact_match` the same way, the utility cost and the
+margins. (By hand: *Columns* -> *Metrics*, tick the same names.)
+
+**Runs.** One parent run per `python -m benchmarks.run`, named `<defence>-<config hash>`, with one
+nested run per attack (expand the row). A sweep (`--sigma-rel 0.01,1,10`) is one `sweep-<hash>`
+parent with one run per setting under it (those carry the same metrics, and their attacks under
+them). Tag `config_hash`: equal hashes are the same configuration.
+
+**Metric names: `<attack>.<rate>`** on the parent run (the attack's own nested run carries the same
+`<rate>` without the prefix). Attacks: `sipit` (exact inversion, or its noise-aware decoder),
+`softmax-head` (classifier trained on clean states), `softmax-head-adaptive` (trained on the
+defended states), `inverse-head`, `bruteforce`.
+- `token_accuracy`: fraction of prompt tokens recovered at their position, 0..1; `_se` its
+  prompt-clustered standard error, `_upper95` a one-sided 95% upper bound.
+- `exact_match`: fraction of prompts recovered whole, 0..1 (same `_se`, `_upper95`).
+- `bag_f1`: bag-of-tokens F1 ignoring order, 0..1; other rates (e.g. `span_recall`, private spans
+  leaked verbatim) are fractions 0..1 too; `seconds_per_prompt`: wall seconds;
+  `candidates_per_position`: candidate tokens tried per position.
+- `utility.ppl_rel_increase`: the defence's cost, relative perplexity increase of the served model
+  (0.05 = +5%); `utility.continued_*` the same for inference continued from the exposed states;
+  `utility.top1_agreement`: fraction of next-token argmaxes unchanged.
+- `margins.median_half_delta` vs `margins.median_noise_norm`: L2 norms in the attacked layer's
+  state space; noise below Delta/2 guarantees nearest-neighbour recovery.
+
+**Sweeps:** the sweep run's *Model metrics* tab plots every rate against the setting index
+(x = step); `sweep.<parameter>` is the swept value at that step (choose it as the x axis in the
+chart settings). `sweep.png` (artifact) draws the same curves with error bars.
+
+**Per run:** the prompt set is the run's *dataset* (Dataset column; its rows, texts and token ids,
+in the artifact `{PROMPTS_ARTIFACT}`); artifacts `report.html` (truth vs each attack's recovery per
+prompt), `results.json`, `per_prompt.csv`, `per_position.csv` and the plots.
+"""
+
+
+def prompts_frame(prompts: list[dict]):
+    """A pandas DataFrame of a prompt set: ``prompt`` (index), ``kind``, ``text``, ``n_tokens``,
+    ``token_ids`` (JSON list) and, where marked, ``private_spans`` (JSON list)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"prompt": int(p["index"]), "kind": str(p.get("kind", "")), "text": str(p["text"]),
+                          "n_tokens": len(p["ids"]), "token_ids": json.dumps([int(t) for t in p["ids"]]),
+                          "private_spans": json.dumps(list(p.get("spans") or []))} for p in prompts])
+
+
+def sweep_step_metrics(setting: dict, results: dict) -> dict[str, float]:
+    """What a sweep's parent run logs at a setting's step: the swept numeric values as ``sweep.<key>``
+    and the setting's flat metrics (``<attack>.<rate>``, ``utility.*``, ...)."""
+    from benchmarks.run_outputs import flat_metrics
+
+    values = {f"sweep.{k}": v for k, v in setting.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**values, **flat_metrics(results)}
+
+
 class Tracker:
     """A parent MLflow run with nested attack runs, closed FINISHED or FAILED."""
 
@@ -243,14 +329,27 @@ class Tracker:
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root(self.uri))
             else:
                 self.experiment_id = found.experiment_id
-            if found is None or EXPERIMENT_KIND[0] not in found.tags:
+            tags = {} if found is None else found.tags
+            if EXPERIMENT_KIND[0] not in tags:
                 # MLflow 3's UI shows GenAI pages unless told this is classic model work: the runs table.
                 self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
+            self._describe_experiment(tags)
         except Exception as err:  # noqa: BLE001 - any store failure means "cannot track"
             raise TrackingError(f"cannot use MLflow tracking store {redact(self.uri)!r}: {describe_error(err)}") from None
         self._mlflow = mlflow
         self.parent_id: str | None = None
         self.open_runs: list[str] = []
+
+    def _describe_experiment(self, tags: dict) -> None:
+        """The description (:func:`dashboard_note`) and the saved view (:func:`dashboard_view`); a
+        description someone else wrote is left as it is, an older one of ours is brought up to date."""
+        note = dashboard_note(self.experiment_id)
+        current = tags.get(NOTE_TAG)
+        if current != note and (current is None or current.startswith(NOTE_HEADING)):
+            self.client.set_experiment_tag(self.experiment_id, NOTE_TAG, note)
+        view = json.dumps(dashboard_view())
+        if tags.get(VIEW_TAG_PREFIX + VIEW_KEY) != view:
+            self.client.set_experiment_tag(self.experiment_id, VIEW_TAG_PREFIX + VIEW_KEY, view)
 
     # ------------------------------------------------------------------------------ runs
     def start_parent(self, run_name: str, params: dict, tags: dict) -> str:
@@ -291,6 +390,37 @@ class Tracker:
         for path in paths:
             if Path(path).is_file():
                 self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_prompts(self, run_id: str, prompts: list[dict], name: str, source: dict) -> None:
+        """The prompt set as the run's dataset input (context ``eval``): :func:`prompts_frame` of
+        ``prompts`` (dicts with ``index``, ``kind``, ``text``, ``ids``, optional ``spans``); ``source``
+        says where it came from (the --prompts option, seed, tokenizer...). MLflow keeps a dataset's
+        name, digest, schema and row count, not its rows: those go into the artifact ``prompts.csv``,
+        which the dataset's source names."""
+        import mlflow.data
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.entities import DatasetInput, InputTag
+
+        frame = prompts_frame(prompts)
+        self.client.log_text(run_id, frame.to_csv(index=False), PROMPTS_ARTIFACT)
+        tags = {**{k: str(v) for k, v in source.items()}, "artifact": PROMPTS_ARTIFACT}
+        dataset = mlflow.data.from_pandas(frame, name=name, source=CodeDatasetSource(tags))
+        self.client.log_inputs(run_id, [DatasetInput(dataset._to_mlflow_entity(),
+                                                     [InputTag("mlflow.data.context", "eval")])])
+
+    def log_sweep_step(self, run_id: str, step: int, setting: dict, results: dict) -> None:
+        """A sweep's parent run at ``step`` (the setting's index): :func:`sweep_step_metrics`, so the
+        run's charts draw every rate against the setting. The first step also logs the prompt set
+        (every setting attacks the same prompts) as the sweep run's dataset input."""
+        self.log_metrics(run_id, sweep_step_metrics(setting, results), step=step)
+        prompts = results.get("prompts") or []
+        if step == 0 and prompts:
+            c = results.get("config", {})
+            rows = [{"index": p["index"], "kind": p.get("kind"), "text": p["truth_text"], "ids": p["truth_ids"],
+                     "spans": p.get("spans")} for p in prompts]
+            self.log_prompts(run_id, rows, f"prompts-{Path(str(c.get('prompts'))).name}-{len(rows)}x{c.get('length')}",
+                             {"prompts": c.get("prompts"), "length": c.get("length"),
+                              "seed": (results.get("seeds") or {}).get("prompts"), "tokenizer": c.get("model")})
 
     def set_tag(self, run_id: str, key: str, value) -> None:
         self.client.set_tag(run_id, key, str(value))

@@ -21,10 +21,17 @@ mean rank ~8x; notes/issue-12.md.)
 The head only ORDERS candidates (attacks.policies.LearnedPolicy): exact SipIt verifies every
 candidate against the observed state, so a bad head costs time, never correctness.
 
+Noise-adapted heads (``HeadConfig.noise`` = sigma > 0): every training minibatch gets fresh
+seeded Gaussian noise N(0, sigma^2 I) added to its states, and the temperature and the recall report
+are measured on noisy held-out states, so the head ranks tokens for the exposure h~ = h + n that a
+noisy defence publishes (the shortlist of the noise-robust decoders, attacks.robust).
+
 A head is cached in memory by the WhiteBox (``WhiteBox.memo``) and on disk under
 ``sipit.models.cache_dir() / "heads"``, keyed by the model's weights (sipit.vocab_table
 .weights_fingerprint), the layer, the configuration and the corpus token ids; an unreadable or
-malformed file is rebuilt.
+malformed file is rebuilt. The corpus states (the costly part: a forward pass over the corpus)
+are cached as well (``cache_dir() / "head-corpus"``, fp16, keyed by weights, layer and corpus ids),
+so further heads of the same layer (other noise levels) cost only their fit.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class HeadConfig:
     heldout_fraction: float = 0.05  # last windows of each source, for tau and the recall report
     seed: int = 0
     windows_per_pass: int = 16  # windows per batched forward pass
+    noise: float = 0.0  # Gaussian sigma (absolute, per coordinate) added to the training states
 
 
 @dataclass
@@ -171,10 +179,16 @@ def layer_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_p
     return torch.cat(rows)
 
 
+def add_noise(x: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """``x + N(0, sigma^2 I)`` drawn from ``generator`` (``x`` itself when sigma is 0)."""
+    return x + sigma * torch.randn(x.shape, generator=generator) if sigma > 0 else x
+
+
 def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config: HeadConfig,
              progress: bool = False) -> InverseHead:
     """Train an :class:`InverseHead` on states ``x`` (N, d) of tokens ``y`` (N,) with a sampled
-    softmax (module docstring); every random choice is drawn from a generator seeded by ``config.seed``."""
+    softmax (module docstring), fresh noise of ``config.noise`` on every minibatch; every random
+    choice is drawn from a generator seeded by ``config.seed``."""
     generator = torch.Generator().manual_seed(config.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -189,7 +203,7 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config:
         for start in range(0, x.shape[0], config.batch_size):
             rows = order[start : start + config.batch_size]
             pool = torch.unique(torch.cat([y[rows], torch.randint(0, vocab, (n_neg,), generator=generator)]))
-            logits = head.log_scale.exp() * head.direction(x[rows]) @ directions[pool].T
+            logits = head.log_scale.exp() * head.direction(add_noise(x[rows], config.noise, generator)) @ directions[pool].T
             loss = nn.functional.cross_entropy(logits, torch.searchsorted(pool, y[rows]))
             optimiser.zero_grad()
             loss.backward()
@@ -206,8 +220,36 @@ def choose_temperature(cosines: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, windows) -> Path:
-    digest = hashlib.blake2b(repr((asdict(config), windows)).encode(), digest_size=8).hexdigest()
+    fields = asdict(config)
+    if not fields["noise"]:
+        del fields["noise"]  # clean heads keep the key they had before noise-adapted heads existed
+    digest = hashlib.blake2b(repr((fields, windows)).encode(), digest_size=8).hexdigest()
     return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-p{slot}-{digest}.pt"
+
+
+def corpus_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_pass: int,
+                  progress: bool = False) -> torch.Tensor:
+    """:func:`layer_states` of ``windows``, from the disk cache when it holds them (fp16, keyed by
+    weights, layer and the window ids; a damaged or misshapen file is recomputed)."""
+    digest = hashlib.blake2b(repr(windows).encode(), digest_size=8).hexdigest()
+    path = cache_dir() / "head-corpus" / f"states-{weights_fingerprint(whitebox)}-l{layer}-{digest}.pt"
+    shape = (sum(len(w) for w in windows), whitebox.d)
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+        if tuple(states.shape) == shape and bool(torch.isfinite(states).all()):
+            return states.float()
+    except Exception:  # noqa: BLE001 - missing or damaged: recomputed below
+        pass
+    states = layer_states(whitebox, windows, layer, per_pass, progress).half()  # as a reload would see them
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
+        os.close(fd)
+        torch.save(states, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a recomputation next time
+    return states.float()
 
 
 def _load_head(path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | None:
@@ -253,12 +295,13 @@ def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[
         length = len(windows[0])
         per_pass = max(config.windows_per_pass, 1024 // length)
         keep = (torch.arange(length) >= slot).repeat(len(windows))
-        xs.append(layer_states(whitebox, windows, layer, per_pass, progress)[keep])
+        xs.append(corpus_states(whitebox, windows, layer, per_pass, progress)[keep])
         ys.append(torch.tensor(windows).flatten()[keep])
         helds.append(heldout_mask(len(windows), length, config.heldout_fraction)[keep])
     x, y, held = torch.cat(xs), torch.cat(ys), torch.cat(helds)
     head = fit_head(x[~held], y[~held], directions, config, progress)
-    cosines = torch.cat([head.cosines(part) for part in x[held].split(1024)]) if held.any() else head.cosines(x[:1])
+    x_held = add_noise(x[held], config.noise, torch.Generator().manual_seed(config.seed + 1))
+    cosines = torch.cat([head.cosines(part) for part in x_held.split(1024)]) if held.any() else head.cosines(x[:1])
     y_held = y[held] if held.any() else y[:1]
     head.temperature = choose_temperature(cosines, y_held)
     ranks = true_ranks(cosines, y_held).float()

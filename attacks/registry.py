@@ -24,6 +24,9 @@ the exposure (:func:`strongest`):
     exact states                 -> "sipit-exact"   (SipIt, ``options.policy`` order: gradient + prior by
                                                      default, or the learned proposals)
 
+With ``options.policy == "learned"`` the shortlist decoders (map, beam, nn-shortlist) rank their
+shortlist with the inverse heads adapted to the exposure's sigma plus the model's prior.
+
 The trained baseline (``softmax-head``, attacks.head) is named here too but is trained per run, not
 built: :data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
 ``inverse-head`` is the classification baseline made of the learned inverse heads (attacks.head.
@@ -69,6 +72,12 @@ def _given(**kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def _shortlist(o: AttackOptions) -> dict:
+    """CandidateScorer options of the shortlist decoders: ``options.shortlist`` over the ranking the
+    policy implies (``learned``: the noise-adapted inverse heads + prior, attacks.robust)."""
+    return {**({"ranking": "learned"} if o.policy == "learned" else {}), **(o.shortlist or {})}
+
+
 def _pooled(e: Exposure, o: AttackOptions):
     return PooledBeamAttack(e.pooling, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
 
@@ -79,11 +88,11 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
     "nn-heuristic": lambda e, o: NearestNeighbour(make_policy(o.policy), stop="heuristic", sigma=e.sigma,
                                                   **_given(max_candidates=o.max_candidates)),
-    "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **(o.shortlist or {})),
+    "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **_shortlist(o)),
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
-    "map": lambda e, o: MapDecoder(e.sigma, **(o.shortlist or {})),
-    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, **(o.shortlist or {})),
+    "map": lambda e, o: MapDecoder(e.sigma, **_shortlist(o)),
+    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, **_shortlist(o)),
     "pooled-beam": _pooled,
     "inverse-head": lambda e, o: InverseHeadAttack(),
 }

@@ -45,12 +45,13 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from scipy.stats import chi2
 
-from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
+from attacks.policies import CandidatePolicy, GradientPolicy, LearnedPolicy, StepContext
+from attacks.proposals import HeadConfig
 from attacks.result import Inversion, PositionRecord
 from attacks.sipit import verify
 from attacks.surrogate import LinearSurrogate, SurrogateFit
@@ -61,7 +62,7 @@ from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius, check_rel_tol
 from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
 
 STOP_RULES = ("exact", "heuristic", "shortlist")
-RANKINGS = ("surrogate", "gradient")
+RANKINGS = ("surrogate", "gradient", "learned")
 # The cheap shortlist for near-exact states (quantised exposure, budgeted search trials): position 0
 # over the full vocabulary, then the prior's top k_prior and k_grad gradient-ranked tokens per round.
 GRADIENT_SHORTLIST = {"ranking": "gradient", "exact_positions": 1}
@@ -123,11 +124,19 @@ class CandidateScorer:
     ``ranking="gradient"``:
     prior top ``k_prior`` then ``rounds`` rounds of ``k_grad`` from the gradient ranking (the
     earlier shortlist; measured far weaker under noise, notes/issue-4.md).
+    ``ranking="learned"``: prior top ``k_prior``, then the top ``k_proxy`` of
+    log q(v | h~_t) + log P(v | p_t) (the inverse head of the position, attacks.proposals, applied
+    to the noisy state, plus the model's prior), doubling while implausible; only position 0 is
+    scored over the whole vocabulary (its table), since position 1 has a head of its own.
+    :meth:`prepare` loads or trains the heads once per (model, layer).
     """
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
-                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_positions: int = 2,
-                 ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096):
+                 chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_positions: int | None = None,
+                 ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096,
+                 head_config: HeadConfig | None = None):
+        if exact_positions is None:
+            exact_positions = 1 if ranking == "learned" else 2
         if min(k_prior, rounds, extra_rounds, exact_positions) < 0 or min(k_grad, k_proxy, n_rerank) < 1:
             raise ValueError("need k_prior, rounds, extra_rounds, exact_positions >= 0 and k_grad, k_proxy, "
                              "n_rerank >= 1")
@@ -139,6 +148,16 @@ class CandidateScorer:
         self.surrogate = LinearSurrogate(n_fit=n_fit, chunk=chunk)
         self._gradient = GradientPolicy()
         self._last_fit: SurrogateFit | None = None  # the latest own fit, lent to beam siblings
+        self.head_config = head_config or HeadConfig()  # the learned ranking's heads (noise set by prepare)
+        self._learned: LearnedPolicy | None = None
+
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
+        """The inverse heads of ``ranking="learned"``, adapted to noise ``sigma`` (attacks.proposals;
+        one-time per model, layer and sigma); nothing for the other rankings."""
+        if self.ranking != "learned":
+            return []
+        self._learned = LearnedPolicy(replace(self.head_config, noise=float(sigma)))
+        return self._learned.prepare(whitebox, layer, tokenizer)
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
               prior_logprobs: torch.Tensor | None, sigma: float | None = None, borrow: bool = False) -> Scored:
@@ -162,6 +181,8 @@ class CandidateScorer:
             shortlist.run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
         if self.ranking == "gradient":
             self._gradient_rounds(shortlist, prior_logprobs, sigma)
+        elif self.ranking == "learned":
+            self._learned_rounds(shortlist, prior_logprobs, sigma)
         else:
             self._surrogate_rounds(shortlist, sigma, borrow)
         return shortlist.scored()
@@ -188,6 +209,21 @@ class CandidateScorer:
         order = torch.cat([pool, order[~in_pool[order]]])  # the rest keeps the first ranking
         shortlist.run(shortlist.untried(order, self.k_proxy))
         size = self.k_proxy
+        for _ in range(self.extra_rounds):
+            if not self._implausible(shortlist, sigma):
+                break
+            size *= 2
+            shortlist.run(shortlist.untried(order, size))
+
+    def _learned_rounds(self, shortlist: "_Shortlist", prior_logprobs: torch.Tensor | None, sigma: float | None) -> None:
+        if self._learned is None or not self._learned.heads:
+            raise RuntimeError("CandidateScorer.prepare() must run before a learned ranking scores")
+        scores = self._learned.head_log_probs(shortlist.prefix.length, shortlist.target)
+        if prior_logprobs is not None:
+            scores = scores + prior_logprobs.cpu()
+        order = torch.argsort(scores, descending=True)
+        size = self.k_proxy
+        shortlist.run(shortlist.untried(order, size))
         for _ in range(self.extra_rounds):
             if not self._implausible(shortlist, sigma):
                 break
@@ -276,8 +312,9 @@ class RadiusScorer:
         self.batch_size = self.policy.first_batch if batch_size is None else batch_size
         self.alpha, self.max_candidates = alpha, max_candidates
 
-    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer) -> list[str]:
-        """The policy's one-time resources for (model, ``layer``) (attacks.policies)."""
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
+        """The policy's one-time resources for (model, ``layer``) (attacks.policies; its heads are the
+        clean ones whatever ``sigma``: the radius stop accepts what the noise radius admits)."""
         return self.policy.prepare(whitebox, layer, tokenizer)
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
@@ -376,7 +413,7 @@ class MapBeamSearch:
         root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
         root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [])
         prepare = getattr(self.scorer, "prepare", None)  # one-time per (model, layer): not timed below
-        setup = prepare(whitebox, layer, tokenizer) if prepare is not None else []
+        setup = prepare(whitebox, layer, tokenizer, sigma=self.sigma) if prepare is not None else []
         started = time.perf_counter()
         beams: list[list[_Hyp]] = [[root]]  # beams[t] = hypotheses holding t tokens
         reserve: list[list[_Pending]] = [[]]  # reserve[t] = pruned children of beams[t-1], as a heap

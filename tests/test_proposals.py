@@ -163,3 +163,33 @@ def test_inverse_head_attack_classifies_without_running_the_model():
     assert right / total > 0.5  # chance is 1/512
     with pytest.raises(ValueError, match="positions"):
         attack.invert(observed, wb, 2, loaded.tokenizer, length=len(p.ids) + 1)
+
+
+def test_a_noise_adapted_head_ranks_noisy_states_better_and_reuses_the_corpus_states(tiny_llama, one_thread, tmp_path):
+    loaded, wb = tiny_llama
+    prompts = prompt_set(loaded.tokenizer, 8, length=16, seed=3)
+    states = [wb.states(p.ids, -1)[2:] for p in prompts]
+    sigma = 2.5 * float(torch.cat(states).pow(2).mean().sqrt())  # 2.5 x the state RMS
+    clean, _ = inverse_head(wb, loaded.tokenizer, -1, SMALL)
+    corpus_files = sorted((tmp_path / "head-corpus").iterdir())
+    assert corpus_files  # the corpus states were stored once
+    noisy, report = inverse_head(wb, loaded.tokenizer, -1, HeadConfig(**{**SMALL.__dict__, "noise": sigma}))
+    assert sorted((tmp_path / "head-corpus").iterdir()) == corpus_files  # reused, not recomputed
+    assert len(list((tmp_path / "heads").glob("inverse-*.pt"))) == 2  # keyed by the noise level
+    truth = torch.tensor([t for p in prompts for t in p.ids[2:]])
+    observed = torch.cat(states) + sigma * torch.randn(truth.shape[0], wb.d, generator=torch.Generator().manual_seed(1))
+    rank_clean = true_ranks(clean.cosines(observed.float()), truth).float().median()
+    rank_noisy = true_ranks(noisy.cosines(observed.float()), truth).float().median()
+    assert rank_noisy < rank_clean
+
+
+def test_the_learned_shortlist_of_the_beam_holds_the_truth_and_bounds_the_work(tiny_llama, one_thread):
+    from attacks.robust import MapBeamSearch
+
+    loaded, wb = tiny_llama
+    beam = MapBeamSearch(0.0, width=2, ranking="learned", k_prior=4, k_proxy=16, extra_rounds=1, head_config=SMALL)
+    for p in prompt_set(loaded.tokenizer, 3, length=10, seed=4):
+        got = beam.invert(wb.states(p.ids, -1), wb, -1, loaded.tokenizer)
+        assert got.ids == p.ids  # noise-free: the heads + prior shortlist holds every true token
+        assert all(len(c) <= 4 + 16 + 32 for c in beam.last_candidates[1:])  # position 0: the whole table
+        assert len(beam.last_candidates[0]) == wb.vocab_size

@@ -15,6 +15,8 @@ import base64
 import html
 from pathlib import Path
 
+from benchmarks.run_outputs import use_lines
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; margin: 0.6em 0; }
@@ -112,6 +114,7 @@ def render(results: dict, rows: list[dict], images: list[Path]) -> str:
                    f"{_fmt(u.get('top1_agreement'), '.3f')}; continued from the exposed states "
                    f"{_fmt(u.get('continued_ppl_rel_increase'), '+.2%')}, top-1 agreement "
                    f"{_fmt(u.get('continued_top1_agreement'), '.3f')} ({u.get('n_tokens')} held-out tokens).</p>")
+        utility += "".join(f"<p>{html.escape(line)}</p>" for line in use_lines(u.get("uses") or {}))
     return "\n".join([
         "<!doctype html>", '<html><head><meta charset="utf-8">', f"<title>{html.escape(title)}</title>",
         f"<style>{STYLE}</style></head><body>",

@@ -92,6 +92,8 @@ def format_table(results: dict) -> str:
             lines.append(f"continued from the exposed states: perplexity {u['continued_ppl']:.3f} "
                          f"({100 * u['continued_ppl_rel_increase']:+.2f}%), top-1 agreement "
                          f"{u['continued_top1_agreement']:.3f}")
+    for line in use_lines(u.get("uses") or {}):
+        lines.append(line)
     m = results.get("margins") or {}
     if m:
         lines.append(f"margins: median Delta/2 = {m.get('median_half_delta', float('nan')):.4g} "
@@ -107,6 +109,25 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def use_lines(uses: dict) -> list[str]:
+    """One line per use of the states beyond serving and continued inference (defenses.uses)."""
+    lines = []
+    store, probe = uses.get("embedding_store"), uses.get("probing")
+    if store:
+        m = store.get("metrics") or {}
+        lines.append("embedding store: " + (
+            f"recall@1 of defended queries {m.get('mean_recall_at_1', float('nan')):.3f} (mean-pooled), "
+            f"{m.get('last_recall_at_1', float('nan')):.3f} (last token), loss {store['loss']:.3f}"
+            if store.get("applicable") else "not applicable"))
+    if probe:
+        m = probe.get("metrics") or {}
+        lines.append("linear probes: " + (
+            f"accuracy {m.get('accuracy_clean', float('nan')):.3f} on clean -> "
+            f"{m.get('accuracy_defended', float('nan')):.3f} on defended states (loss {probe['loss']:.3f})"
+            if probe.get("applicable") else "not applicable (no per-position states)"))
+    return lines
+
+
 def flat_metrics(results: dict) -> dict:
     metrics = {}
     for key in ("ppl_clean", "ppl_served", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "state_cosine",
@@ -114,6 +135,10 @@ def flat_metrics(results: dict) -> dict:
         value = (results.get("utility") or {}).get(key)
         if value is not None:
             metrics[f"utility.{key}"] = value
+    for name, use in ((results.get("utility") or {}).get("uses") or {}).items():
+        if use.get("applicable"):
+            metrics[f"utility.{name}.loss"] = use.get("loss")
+            metrics.update({f"utility.{name}.{k}": v for k, v in (use.get("metrics") or {}).items()})
     m = results.get("margins") or {}
     for key in ("median_half_delta", "median_half_delta_position0", "median_half_delta_later", "median_noise_norm",
                 "n_positions", "seconds"):

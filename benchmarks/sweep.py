@@ -51,6 +51,8 @@ def sweep_rows(settings: list[dict]) -> list[dict]:
     rows = []
     for s in settings:
         utility = {k: (s["results"].get("utility") or {}).get(k) for k in UTILITY_KEYS}
+        uses = (s["results"].get("utility") or {}).get("uses") or {}
+        utility.update({f"{name}_loss": (uses.get(name) or {}).get("loss") for name in ("embedding_store", "probing")})
         for attack, summary in s["results"].get("attacks", {}).items():
             rows.append({"setting": _label(s["values"]), **s["values"], "attack": attack,
                          "decoder": summary.get("decoder"), **{k: summary.get(k) for k in SUMMARY_KEYS}, **utility,
@@ -65,18 +67,19 @@ def _fmt(value, spec: str) -> str:
 def sweep_table(rows: list[dict]) -> str:
     """Markdown: a row per setting and attack, the metrics with their units."""
     lines = ["| setting | attack | exact match | token accuracy ± se | token acc. upper 95% | bag-of-tokens F1 "
-             "| private spans leaked (upper 95%) | ppl increase (served) | ppl increase (continued from exposed) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| private spans leaked (upper 95%) | ppl increase (served) | ppl increase (continued from exposed) "
+             "| store recall@1 lost | probe accuracy lost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("token_accuracy") is None:
-            lines.append(f"| {r['setting']} | {r['attack']} | (not run) | | | | | | |")
+            lines.append(f"| {r['setting']} | {r['attack']} | (not run) | | | | | | | | |")
             continue
         spans = (f"{_fmt(r.get('span_recall'), '.2f')} of {r['n_spans']} ({_fmt(r.get('span_recall_upper95'), '.2f')})"
                  if r.get("n_spans") else "-")
         lines.append(f"| {r['setting']} | {r['attack']} | {_fmt(r['exact_match'], '.2f')} | "
                      f"{r['token_accuracy']:.3f} ± {_fmt(r['token_accuracy_se'], '.3f')} | "
                      f"{_fmt(r['token_accuracy_upper95'], '.3f')} | {_fmt(r['bag_f1'], '.3f')} | {spans} | "
-                     f"{_fmt(r['ppl_rel_increase'], '+.2%')} | {_fmt(r['continued_ppl_rel_increase'], '+.2%')} |")
+                     f"{_fmt(r['ppl_rel_increase'], '+.2%')} | {_fmt(r['continued_ppl_rel_increase'], '+.2%')} | "
+                     f"{_fmt(r.get('embedding_store_loss'), '.3f')} | {_fmt(r.get('probing_loss'), '.3f')} |")
     return "\n".join(lines)
 
 

@@ -46,6 +46,9 @@ def test_report_marks_each_recovered_and_wrong_token_as_the_results_say(tmp_path
         for token in prompt["truth_ids"]:
             shown = results["token_text"][str(token)].replace(" ", "·").replace("\n", "⏎")
             assert f'title="id {token}">{html.escape(shown)}</span>' in page
+    store = results["utility"]["uses"]["embedding_store"]["metrics"]
+    assert f"recall@1 of defended queries {store['mean_recall_at_1']:.3f} (mean-pooled)" in page  # every use priced
+    assert "linear probes: accuracy" in page
     sipit = results["attacks"]["sipit"]
     assert f"{sipit['token_accuracy']:.3f} ± {sipit['token_accuracy_se']:.3f}" in page
     assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', page)) == 2

@@ -9,7 +9,8 @@ its own family, ``owner.memo[family]`` (an ``OrderedDict`` of key -> value); a f
 
 Families in use: on the WhiteBox ``"vocabulary-states"`` (sipit.vocab_table),
 ``"surrogate-design"`` and ``"surrogate-fits"`` (attacks.surrogate); on the LoadedModel
-``"utility-clean"`` (defenses.utility).
+``"utility-clean"`` (defenses.utility), ``"uses-text"``, ``"uses-store"`` and ``"uses-probes"``
+(defenses.uses).
 """
 
 from __future__ import annotations

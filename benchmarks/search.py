@@ -62,7 +62,7 @@ from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
-from benchmarks.search_study import MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
+from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
 from benchmarks.search_worker import run_worker
 from benchmarks.tracking import describe_error, redact
 
@@ -86,6 +86,7 @@ def run_search(
     length: int = 8,
     utility_tokens: int = 128,
     utility_use: str = "continued",
+    bound: str = "upper95",
     attacks: list[str] | str = "sipit",
     budget: AttackBudget | dict | None = None,
     sigma_low: float = 0.01,
@@ -118,7 +119,7 @@ def run_search(
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
-                         tying_method=tying_method, experiment=experiment)
+                         tying_method=tying_method, experiment=experiment, bound=bound)
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
@@ -251,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--families", default=",".join(FAMILIES), help=f"comma list from {', '.join(FAMILIES)}")
     s.add_argument("--mode", default="constrained", choices=MODES)
     s.add_argument("--threshold", type=float, default=0.01, help="max recovery (token accuracy) of a feasible setting")
+    s.add_argument("--bound", default="upper95", choices=BOUNDS,
+                   help="what the threshold constrains: upper95 = the one-sided 95%% Clopper-Pearson upper bound of "
+                        "the strongest attack's token accuracy (zero recovered tokens prove <= 1%% only from 299 "
+                        "tokens: --n-prompts x --length), point = the measured accuracy")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--prompts", default="mixed")
     s.add_argument("--n-prompts", type=int, default=2)

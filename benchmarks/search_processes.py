@@ -76,6 +76,7 @@ def worker_process(study, n_trials, config, *, worker_index, storage, tracking_u
            "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
            "--n-prompts", str(config["n_prompts"]), "--length", str(config["length"]),
            "--utility-tokens", str(config["utility_tokens"]), "--utility-use", config.get("utility_use", "served"),
+           "--bound", config.get("bound", "point"),
            "--attacks", ",".join(config["attacks"]),
            "--sigma-low", repr(config["sigma_low"]), "--sigma-high", repr(config["sigma_high"]),
            "--tying-method", config["tying_method"], "--experiment", config["experiment"],

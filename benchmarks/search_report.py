@@ -12,8 +12,9 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.metrics import clopper_pearson_upper
 from benchmarks.search_runs import PARENT_ATTR, study_runs
-from benchmarks.search_study import trial_counts
+from benchmarks.search_study import tokens_needed, trial_counts
 
 #: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
 USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states",
@@ -39,15 +40,31 @@ def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
     return front
 
 
-def _row(trial, threshold: float) -> dict:
-    """One COMPLETE trial as a report row."""
+def _row(trial, threshold: float, bound: str) -> dict:
+    """One COMPLETE trial as a report row (``bound``: what the threshold applies to, search_study.BOUNDS)."""
     u = trial.user_attrs
+    constrained = u["recovery_upper95"] if bound == "upper95" else u["recovery"]
     return {"trial": trial.number, "group": u["group"], "family": u["family"], "params": trial.params,
             "utility_loss": u["utility_loss"], "ppl_rel_increase": u["ppl_rel_increase"],
             "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
-            "recovery": u["recovery"], "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
-            "feasible": u["recovery"] <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
+            "recovery": u["recovery"], "recovery_upper95": u.get("recovery_upper95"), "constrained": constrained,
+            "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
+            "feasible": constrained <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
             "reused_from": u.get("reused_from")}
+
+
+def claim_note(config: dict, threshold: float) -> str | None:
+    """What a trial's tokens cannot prove: None when zero recovered tokens bound the recovery at or
+    under ``threshold`` (or the study constrains the point estimate), else a sentence saying so."""
+    if config.get("bound", "point") != "upper95":
+        return None
+    n = config["n_prompts"] * config["length"]
+    floor = clopper_pearson_upper(0, n)
+    if floor <= threshold:
+        return None
+    return (f"No trial can be feasible: {n} attacked tokens per trial ({config['n_prompts']} prompts x "
+            f"{config['length']} tokens) bound the recovery at {floor:.3f} or more even when none is recovered, above "
+            f"the threshold {threshold:.3g}; the claim needs at least {tokens_needed(threshold)} tokens per trial.")
 
 
 def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
@@ -57,7 +74,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
     config = study.user_attrs["config"]
     threshold = config["threshold"] if threshold is None else threshold
     trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
-    rows = [_row(t, threshold) for t in trials]
+    rows = [_row(t, threshold, config.get("bound", "point")) for t in trials]
     groups: dict[str, dict] = {}
     for group in sorted({r["group"] for r in rows}):
         mine = [r for r in rows if r["group"] == group]
@@ -65,11 +82,12 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
         groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
                          "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
     feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
-    front = set(_pareto([(r["utility_loss"], r["recovery"], r["trial"]) for r in rows]))
+    front = set(_pareto([(r["utility_loss"], r["constrained"], r["trial"]) for r in rows]))
     answer = [r for r in feasible if r["utility_loss"] <= ppl_limit]  # the perplexity increase of the study's use
     counts = trial_counts(study)
     return {
         "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
+        "bound": config.get("bound", "point"), "claim_note": claim_note(config, threshold),
         "best": feasible[0] if feasible else None, "groups": groups,
         "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
         "question": {"ppl_limit": ppl_limit, "reached": bool(answer), "cheapest": answer[0] if answer else None},
@@ -92,9 +110,12 @@ def _group_line(group: str, g: dict, short: str = "ppl") -> str:
     b = g["best"]
     if b is None:
         lo = g["lowest_recovery"]
-        return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f} at "
+        upper = f" (95% upper {lo['recovery_upper95']:.3f})" if lo.get("recovery_upper95") is not None else ""
+        return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f}{upper} at "
                 f"{_fmt_params(lo['params'])}, {short} {100 * lo['utility_loss']:+.2f}%) | {lo['trial']} | | | |")
     attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
+    if b.get("recovery_upper95") is not None:
+        attacks += f" (strongest's 95% upper bound {b['recovery_upper95']:.3f})"
     return (f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
             f"{100 * b['utility_loss']:+.2f}% | {_agreement(b['top1_agreement'])} | {attacks} |")
 
@@ -104,7 +125,8 @@ def format_report(report: dict) -> str:
     c = report["config"]
     long, short = _loss_names(c)
     lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
-             f"threshold recovery <= {report['threshold']:.3g} (token accuracy)",
+             f"threshold recovery <= {report['threshold']:.3g} (token accuracy"
+             + (", its one-sided 95% Clopper-Pearson upper bound)" if report.get("bound") == "upper95" else ")"),
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
              f"utility ({USE_NAMES[c.get('utility_use', 'served')]}) on {c['utility_tokens']} tokens; "
@@ -113,6 +135,8 @@ def format_report(report: dict) -> str:
              f"{'ppl increase' if short == 'ppl' else long} | "
              "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
     lines += [_group_line(group, g, short) for group, g in report["groups"].items()]
+    if report.get("claim_note"):
+        lines += ["", f"**{report['claim_note']}**"]
     q = report["question"]
     lines.append("")
     if q["reached"]:

@@ -183,6 +183,7 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         attacks["softmax-head-adaptive"] = {"decoder": "SoftmaxHead(adaptive)",
                                             **summarise("softmax-head-adaptive", ctx.prompt_ids, inversions).to_dict()}
     recovery = max(a["token_accuracy"] for a in attacks.values())
+    recovery_upper95 = max(a["token_accuracy_upper95"] for a in attacks.values())
     sigmas = exposed.sigmas
     return {
         "utility_loss": utility_loss(util, ctx.utility_use), "utility_use": ctx.utility_use,
@@ -191,7 +192,8 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         "top1_agreement": {"served": util.top1_agreement, "continued": util.continued_top1_agreement}.get(ctx.utility_use),
         "use_metrics": util.uses[ctx.utility_use]["metrics"] if measured_uses(ctx.utility_use) else None,
         "state_rel_l2": util.state_rel_l2,
-        "recovery": float(recovery), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
+        "recovery": float(recovery), "recovery_upper95": float(recovery_upper95),
+        "n_tokens": sum(len(ids) for ids in ctx.prompt_ids), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
         "attacks": attacks, "defense_params": chain.params(), "sigma_abs_median": float(sorted(sigmas)[len(sigmas) // 2]),
         "seconds": time.perf_counter() - started,
     }

@@ -20,7 +20,10 @@ MODES = ("constrained", "pareto")
 UTILITY_USES = ("continued", "served", "embedding_store", "probing")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment")
+               "experiment", "bound")
+#: what the threshold constrains: the one-sided 95% Clopper-Pearson upper bound of the strongest attack's
+#: token accuracy (a claim the trial's tokens can make), or its point estimate (studies made before)
+BOUNDS = ("upper95", "point")
 
 
 def check_budget(budget) -> dict:
@@ -42,7 +45,8 @@ def check_budget(budget) -> dict:
 
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
-                attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued") -> dict:
+                attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
+                bound="upper95") -> dict:
     """Validated search configuration (everything that must agree between workers)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
@@ -71,10 +75,13 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
         raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
     if utility_use not in UTILITY_USES:
         raise SearchUsageError(f"--utility-use must be one of {', '.join(UTILITY_USES)}, got {utility_use!r}")
+    if bound not in BOUNDS:
+        raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
-                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use)
+                sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
+                bound=bound)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):
@@ -117,8 +124,9 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
 
 def check_same_config(stored: dict, given: dict) -> None:
     """SearchUsageError naming every key on which the stored and the given configuration differ."""
-    # studies stored before budgets were filled, or before the utility use was chosen (they priced the served model)
-    stored = {"utility_use": "served", **stored, "budget": check_budget(stored.get("budget"))}
+    # studies stored before budgets were filled, before the utility use was chosen (they priced the served model),
+    # or before the bound (they constrained the point estimate)
+    stored = {"utility_use": "served", "bound": "point", **stored, "budget": check_budget(stored.get("budget"))}
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "
@@ -133,3 +141,11 @@ def trial_counts(study) -> dict:
         if t.state.name in out:
             out[t.state.name] += 1
     return out
+
+
+def tokens_needed(threshold: float, level: float = 0.95) -> int:
+    """The fewest tokens n for which zero recovered tokens bound the recovery at or below ``threshold``:
+    the smallest n with 1 - (1 - level)^(1/n) <= threshold, i.e. n >= log(1 - level) / log(1 - threshold)."""
+    if threshold <= 0:
+        return math.inf
+    return math.ceil(math.log(1 - level) / math.log1p(-threshold) - 1e-9)

@@ -55,10 +55,10 @@ def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int
         trial.set_user_attr("group", report_group(family, trial.params))
         m = _measure(trial, ctx, config, runs, names, params, out_dir)
         log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
-            f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} ({m['seconds']:.1f}s)",
-            file=sys.stderr)
+            f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} "
+            f"(95% upper {m['recovery_upper95']:.3f}, {m['n_tokens']} tokens; {m['seconds']:.1f}s)", file=sys.stderr)
         if config["mode"] == "pareto":
-            return m["utility_loss"], m["recovery"]
+            return m["utility_loss"], constrained_recovery(m, config)
         return m["utility_loss"]
 
     return objective
@@ -84,16 +84,22 @@ def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
     return m
 
 
+def constrained_recovery(m: dict, config: dict) -> float:
+    """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's
+    95% upper bound, or its point estimate (studies made before the bound existed)."""
+    return m["recovery_upper95"] if config.get("bound", "point") == "upper95" else m["recovery"]
+
+
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
-    for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery",
-                "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics"):
+    for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
+                "n_tokens", "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
                                         "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
     trial.set_user_attr("defense_params", m["defense_params"])
-    excess = m["recovery"] - config["threshold"]
+    excess = constrained_recovery(m, config) - config["threshold"]
     if config["mode"] == "constrained":
         trial.set_constraint("recovery", excess)
     trial.set_user_attr("constraint.recovery", excess)
@@ -109,7 +115,8 @@ def _reuse(study, trial) -> dict | None:
             u = t.user_attrs
             attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                              "recovery", "strongest_attack", "sigma_abs_median", "use_metrics")},
+                                              "recovery", "recovery_upper95", "n_tokens", "strongest_attack",
+                                              "sigma_abs_median", "use_metrics")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}
     return None

@@ -85,7 +85,7 @@ NOISE_COMMON = ("--n-prompts", "2", "--length", "6", "--exact-prompts", "1", "--
                 "--seed", "0", "--out", "{out}")
 SEARCH_FAST = ("--model", "tiny-llama", "--layer", "-1", "--families", "noise,quant", "--n-prompts", "1",
                "--length", "4", "--utility-tokens", "32", "--attacks", "sipit", "--sigma-low", "0.05",
-               "--sigma-high", "20", "--threshold", "0.3", "--seed", "0",
+               "--sigma-high", "20", "--threshold", "0.3", "--bound", "point", "--seed", "0",
                "--budget", '{"k_prior": 8, "k_grad": 8, "pooled_beam": 2, "pooled_topk": 16, '
                            '"head_tokens": 256, "head_epochs": 2}')
 INVERT_TEXT = "The cat sat on the mat."

@@ -22,7 +22,7 @@ from benchmarks.search import SearchUsageError, run_search
 REPO = Path(__file__).resolve().parent.parent
 # tiny-llama: bnb 4-bit linears with a bias (GPT-2) break the gradient ranking (in-place bias add), see docs/search.md
 FAST = dict(model="tiny-llama", layer=-1, families="noise,quant", n_prompts=1, length=4, utility_tokens=32,
-            attacks="sipit", sigma_low=0.05, sigma_high=20.0, threshold=0.3,
+            attacks="sipit", sigma_low=0.05, sigma_high=20.0, threshold=0.3, bound="point",
             budget={"k_prior": 8, "k_grad": 8, "pooled_beam": 2, "pooled_topk": 16, "head_tokens": 256, "head_epochs": 2})
 
 
@@ -324,3 +324,27 @@ def test_the_utility_use_prices_exposure_only_defences():
         losses[use] = (noise["utility_loss"], pooled["utility_loss"], noise["top1_agreement"])
     assert losses["served"][:2] == (0.0, 0.0) and losses["served"][2] == 1.0
     assert losses["continued"][0] != 0.0 and losses["continued"][2] < 1.0 and math.isinf(losses["continued"][1])
+
+
+def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_budget_cannot_prove_it(tmp_path):
+    """bound="upper95" (the default): a trial is feasible only when the Clopper-Pearson upper bound of
+    the strongest attack's accuracy is under the threshold; 4 tokens per trial can never prove 0.3."""
+    from benchmarks.metrics import clopper_pearson_upper
+    from benchmarks.search_study import tokens_needed
+
+    assert tokens_needed(0.01) == 299 and clopper_pearson_upper(0, 299) <= 0.01 < clopper_pearson_upper(0, 298)
+    quiet = dict(track=False, log=lambda *a, **k: None)
+    upper = {**FAST, "bound": "upper95", "families": "noise"}
+    small = run_search(str(tmp_path / "u4.journal"), "u4", 3, out=tmp_path / "o4", **quiet, **upper)["report"]
+    assert small["best"] is None and not any(r["feasible"] for r in small["trials"])
+    assert f"the claim needs at least {tokens_needed(0.3)} tokens per trial" in small["claim_note"]
+    assert "No trial can be feasible: 4 attacked tokens" in (tmp_path / "o4" / "report.md").read_text()
+    enough = run_search(str(tmp_path / "u12.journal"), "u12", 4, out=tmp_path / "o12", **quiet,
+                        **{**upper, "n_prompts": 3})["report"]
+    assert enough["claim_note"] is None  # 12 tokens: zero recovered bounds the accuracy at 0.22 < 0.3
+    trials = {t.number: t for t in _trials(str(tmp_path / "u12.journal"), "u12") if t.state == TrialState.COMPLETE}
+    for row in enough["trials"]:
+        u = trials[row["trial"]].user_attrs
+        assert u["n_tokens"] == 12 and u["recovery_upper95"] >= u["recovery"]
+        assert math.isclose(trials[row["trial"]].constraints["recovery"], u["recovery_upper95"] - 0.3)
+        assert row["feasible"] == (u["recovery_upper95"] <= 0.3)

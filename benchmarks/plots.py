@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -62,7 +63,7 @@ def delta_distribution(deltas: list[float], noise_norms: list[float], path: Path
 
 def _finish(fig, ax, path: Path, title: str, *, empty: bool) -> Path:
     """Title, legend, a note when there was nothing to plot; save as PNG and close."""
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)  # run titles are long
     if empty:
         ax.text(0.5, 0.5, "no margins computed", ha="center", va="center", transform=ax.transAxes)
     ax.legend(fontsize=8)

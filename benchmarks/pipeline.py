@@ -134,9 +134,11 @@ def margins_on_subset(exposed: Exposed, margin_positions: int, seed: int, *, pro
 
     Position 0 reads the position-0 table (sipit.vocab_table: one sweep of the vocabulary per model
     and layer, cached on disk, the one the learned proposals use), so its margins cost nothing once
-    the table exists; every later position costs one sweep of the vocabulary on its prefix.
+    the table exists; every later position costs one sweep of the vocabulary on its prefix, once:
+    sipit.margin_store keeps it on disk for the next setting of a sweep or the next run.
     """
     from benchmarks.metrics import median
+    from sipit.margin_store import stored_margin
     from sipit.margins import margin_from_distances, margin_from_states
     from sipit.sweep import sweep_distances
     from sipit.vocab_table import position_zero_table
@@ -156,11 +158,14 @@ def margins_on_subset(exposed: Exposed, margin_positions: int, seed: int, *, pro
     if first:
         table = position_zero_table(wb, layer, progress=progress).states
         deltas.update({(i, 0): margin_from_states(table, truths[i][0])[0] for i in first})
-    for i, t in tqdm(later, desc=f"margins Delta (full vocab, {len(later)} positions)", disable=not progress, leave=False):
-        ids = torch.tensor(truths[i])
+    def sweep_margin(ids: torch.Tensor, t: int) -> float:
         prefix = wb.prefix_cache(ids[:t], layer)
         mu_true = wb.step(prefix, ids[t : t + 1]).states[0]
-        deltas[(i, t)] = margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
+        return margin_from_distances(sweep_distances(wb, prefix, mu_true), int(ids[t]))[0]
+
+    for i, t in tqdm(later, desc=f"margins Delta (full vocab, {len(later)} positions)", disable=not progress, leave=False):
+        ids = torch.tensor(truths[i])
+        deltas[(i, t)] = stored_margin(wb, layer, truths[i][: t + 1], lambda: sweep_margin(ids, t))
     deltas = dict(sorted(deltas.items()))
     half = {k: d / 2 for k, d in deltas.items()}
     return {

@@ -122,3 +122,24 @@ def test_collision_audit_matches_direct_pairwise_and_extension(tiny):
     ext = min(float((wb.states(a + [v], -1)[-1] - wb.states(b + [v], -1)[-1]).norm()) for v in range(wb.vocab_size))
     assert row.extension_min == pytest.approx(ext, rel=1e-3, abs=1e-6)
     assert extension_min(wb, a, b, -1)[0] == pytest.approx(row.extension_min, rel=1e-4)
+
+
+def test_stored_margins_equal_the_computed_ones_survive_damage_and_never_cross_layers(tiny, tmp_path, monkeypatch):
+    from sipit.margin_store import store_path, stored_margin
+
+    monkeypatch.setenv("SIPIT_CACHE_DIR", str(tmp_path))
+    _, wb = tiny
+    ids = [5, 17, 42, 99]
+    exact = float(margins(wb, ids, 2).delta[3])
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return position_margin(wb, wb.prefix_cache(ids[:3], 2), ids[3]).delta
+
+    assert stored_margin(wb, 2, ids, compute) == pytest.approx(exact, rel=1e-6)
+    assert stored_margin(wb, 2, ids, compute) == pytest.approx(exact, rel=1e-6) and len(calls) == 1  # from disk
+    assert store_path(wb, 1) != store_path(wb, 2)
+    assert stored_margin(wb, 1, ids, lambda: -1.0) == -1.0  # another layer never reads layer 2's entry
+    store_path(wb, 2).write_text("{not json")
+    assert stored_margin(wb, 2, ids, compute) == pytest.approx(exact, rel=1e-6) and len(calls) == 2  # recomputed

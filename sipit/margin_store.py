@@ -1,0 +1,57 @@
+"""Margins already computed, kept on disk: Delta_t of a (model, layer, prefix, token) never changes.
+
+One sweep of the vocabulary per position makes Delta_t the slowest number a run reports (~50 s per
+position at smollm2's last layer on 2 cores), and a sweep over defence settings, or a rerun, asks
+for the same positions again. :func:`stored_margin` looks Delta_t up in
+``sipit.models.cache_dir() / "margins" / "delta-<weights fingerprint>-l<layer>.json"`` (keyed by
+the token ids s_1..s_t, the prefix and the true token) and computes it only when absent; the file is
+rewritten atomically after each new entry, so an interrupted run keeps what it finished. An
+unreadable file is treated as empty (and replaced). The weights fingerprint
+(sipit.vocab_table.weights_fingerprint) keeps a quantised or tied attacker model apart from the
+clean one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from sipit.models import cache_dir
+from sipit.vocab_table import weights_fingerprint
+from sipit.whitebox import WhiteBox
+
+
+def store_path(whitebox: WhiteBox, layer: int) -> Path:
+    return cache_dir() / "margins" / f"delta-{weights_fingerprint(whitebox)}-l{whitebox.resolve_layer(layer)}.json"
+
+
+def _read(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def stored_margin(whitebox: WhiteBox, layer: int, ids: list[int], compute: Callable[[], float]) -> float:
+    """Delta of the last token of ``ids`` on the prefix ``ids[:-1]``: from the store, else ``compute()``
+    (then stored)."""
+    path = store_path(whitebox, layer)
+    key = ",".join(str(int(i)) for i in ids)
+    known = _read(path)
+    if key in known:
+        return known[key]
+    value = float(compute())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**_read(path), key: value}  # entries another process added meanwhile stay
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".json")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(merged, handle)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a recomputation next time
+    return value

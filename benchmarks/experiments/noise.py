@@ -101,7 +101,8 @@ def decoders(sigma: float, args) -> list:
     return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 
-def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None) -> list[dict]:
+def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None,
+              tokenizer=None) -> list[dict]:
     """Part B: free-running decoders, one shared noise draw per (prompt, sigma).
 
     Where part A holds the full-vocabulary table of a (prompt, position) and the decoded prefix is
@@ -115,7 +116,7 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tab
             g = torch.Generator().manual_seed(args.seed * 1000 + si * 100 + p)
             noise = sigma * torch.randn(h.shape, generator=g)
             for dec in decoders(sigma, args):
-                inv = dec.invert(h + noise, wb, layer)
+                inv = dec.invert(h + noise, wb, layer, tokenizer)  # the learned ranking trains heads on text
                 cands = getattr(dec, "last_candidates", None)
                 for t, rec in enumerate(inv.positions):
                     prefix_ok = inv.ids[:t] == ids[:t]
@@ -289,7 +290,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
             out.mkdir(parents=True, exist_ok=True)
             (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
 
-    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables)
+    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables, lm.tokenizer)
     summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
 

@@ -28,7 +28,7 @@ from benchmarks.cli import UsageError, check_float, check_int, check_names
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
 MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 64, "head_epochs": 1, "beam_width": 1,
-            "utility_tokens": 0, "margin_positions": -1}
+            "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0}
 #: legacy defence flags (keyword names of run_benchmark) -> how each maps onto defence parameters
 LEGACY_FLAGS = ("sigma", "sigma_rel", "placement", "quant", "quant_activations", "tie_groups", "tie_rare", "pool",
                 "pool_window", "pool_dims")
@@ -101,6 +101,7 @@ class RunConfig:
     robust: str = "radius"
     policy: str = "learned"
     beam_width: int = 4
+    radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)
     knows_defense: bool = True
     prompts: str = "mixed"
     n_prompts: int = 20
@@ -190,6 +191,8 @@ class RunConfig:
                     attacks=list(self.attacks), robust=self.robust, beam_width=self.beam_width,
                     # the policy is recorded when not the default, so earlier runs keep their hash (sweep resume)
                     **({"policy": self.policy} if self.policy != "gradient" else {}),
+                    # a cap is recorded; no cap (the vocabulary) is how every run before the option worked
+                    **({"radius_budget": self.radius_budget} if self.radius_budget else {}),
                     knows_defense=self.knows_defense, prompts=self.prompts, n_prompts=self.n_prompts,
                     length=self.length, seed=self.seed, head_tokens=self.head_tokens, head_epochs=self.head_epochs,
                     margin_positions=self.margin_positions, utility_tokens=self.utility_tokens,

@@ -18,7 +18,7 @@ Attacks (``--attacks``, comma list):
 - ``sipit``: the strongest SipIt form that knows the defence, chosen by attacks.registry
   (``strongest``): exact SipIt on exact exposure; under Gaussian noise the ``--robust`` decoder
   given the defence's absolute sigma (``radius``, the default: SipIt's own loop accepting the first
-  token within the chi^2 noise radius, the nearest after exhausting the vocabulary; ``map``;
+  token within the chi^2 noise radius, else the nearest of ``--radius-budget`` candidates; ``map``;
   ``beam``; ``shortlist``; docs/noise.md); nearest neighbour on the gradient shortlist for inexact
   noise-free states (quantised activations); the pooled beam search on pooled exposure.
 - ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
@@ -272,7 +272,7 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     if "softmax-head" in attack_names and chain.name != "none":
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
     options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
-                            policy=config.policy)
+                            policy=config.policy, max_candidates=config.radius_budget or None)
     for result_name, kind in plan:
         log(f"[run] attack {result_name} started", file=sys.stderr)
         if kind.startswith("head") and not chain.per_position:
@@ -444,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "table and inverse heads: trained once per model and layer, then ~10 candidates per "
                         "position at smollm2's last layer), gradient (+ prior; no learned parts), random")
     a.add_argument("--beam-width", type=_minimum("--beam-width"), default=4)
+    a.add_argument("--radius-budget", type=_minimum("--radius-budget"), default=DEFAULTS.radius_budget,
+                   help="the radius decoder verifies at most this many candidates per position, then takes the "
+                        "nearest so far (0 = the whole vocabulary: ~100 s per position at smollm2's last layer when "
+                        "no candidate falls inside the noise radius, e.g. sigma 10 there)")
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
                    help="the attacker holds only the original weights")
     a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS.head_tokens,

@@ -73,7 +73,8 @@ SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
 #: the main job's defaults when the cases were recorded (7fbee15), given first so a case's own flags
 #: override them: the run's defaults later became 20 x 20 tokens, the learned order and the
 #: inverse-head baseline, which would change every recorded candidate count.
-RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--margin-positions", "1")
+RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--margin-positions", "1",
+              "--radius-budget", "0")
 RUN_COMMON = ("--n-prompts", "3", "--length", "8", "--seed", "0", "--head-tokens", "1024", "--head-epochs", "20",
               "--utility-tokens", "128", "--margin-positions", "-1", "--no-tracking", "--no-progress",
               "--out", "{out}")

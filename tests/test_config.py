@@ -93,3 +93,15 @@ def test_policy_option_reaches_exact_sipit_and_is_checked():
     assert radius.name == "nn-heuristic" and radius.scorer.policy.name == "learned"  # the radius decoder's order
     with pytest.raises(UsageError, match="--policy"):
         RunConfig(policy="psychic").validate()
+
+
+def test_radius_budget_caps_the_radius_decoder_and_is_recorded_only_when_set():
+    from attacks.registry import AttackOptions, Exposure, build
+
+    assert RunConfig().radius_budget == 1024 and RunConfig().record()["radius_budget"] == 1024
+    assert "radius_budget" not in _config_from_cli("--radius-budget", "0").record()  # runs before the option
+    radius = build("sipit", Exposure(sigma=0.5), AttackOptions(max_candidates=_config_from_cli("--radius-budget", "64")
+                                                                .radius_budget))
+    assert radius.scorer.max_candidates == 64
+    with pytest.raises(UsageError, match="--radius-budget"):
+        RunConfig(radius_budget=-1).validate()

@@ -207,8 +207,13 @@ class CandidateScorer:
         in_pool = torch.zeros(wb.vocab_size, dtype=torch.bool)
         in_pool[pool] = True
         order = torch.cat([pool, order[~in_pool[order]]])  # the rest keeps the first ranking
-        shortlist.run(shortlist.untried(order, self.k_proxy))
+        self._take(shortlist, order, sigma)
+
+    def _take(self, shortlist: "_Shortlist", order: torch.Tensor, sigma: float | None) -> None:
+        """The first ``k_proxy`` untried tokens of ``order``, then up to ``extra_rounds`` doublings while
+        the nearest so far is implausible under the noise model."""
         size = self.k_proxy
+        shortlist.run(shortlist.untried(order, size))
         for _ in range(self.extra_rounds):
             if not self._implausible(shortlist, sigma):
                 break
@@ -221,14 +226,7 @@ class CandidateScorer:
         scores = self._learned.head_log_probs(shortlist.prefix.length, shortlist.target)
         if prior_logprobs is not None:
             scores = scores + prior_logprobs.cpu()
-        order = torch.argsort(scores, descending=True)
-        size = self.k_proxy
-        shortlist.run(shortlist.untried(order, size))
-        for _ in range(self.extra_rounds):
-            if not self._implausible(shortlist, sigma):
-                break
-            size *= 2
-            shortlist.run(shortlist.untried(order, size))
+        self._take(shortlist, torch.argsort(scores, descending=True), sigma)
 
     def _gradient_rounds(self, shortlist: "_Shortlist", prior_logprobs: torch.Tensor | None, sigma: float | None) -> None:
         ctx = StepContext(shortlist.whitebox, shortlist.prefix, shortlist.target, prior_logprobs, torch.Generator())

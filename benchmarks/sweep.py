@@ -139,6 +139,9 @@ def sweep_plot(settings: list[dict], rows: list[dict], path: Path, title: str) -
             ax.set_xticks(xs, [_label(s["values"]) for s in settings], rotation=20, fontsize=7)
         ax.legend(fontsize=8)
     right.set_ylabel("perplexity increase (%)")
+    if any(abs(y) > 100 for line in right.get_lines() for y in line.get_ydata()):
+        right.set_yscale("symlog", linthresh=1)  # noise can raise perplexity by orders of magnitude
+        right.set_ylim(bottom=-1)
     left.set_title(title)
     right.set_title("utility cost")
     fig.tight_layout()

@@ -75,6 +75,9 @@ SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
 #: inverse-head baseline, which would change every recorded candidate count.
 RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--margin-positions", "1",
               "--radius-budget", "0")
+#: per command, the flags given before a case's own (defaults that changed after the recording):
+#: the search's threshold then applied to the point estimate (--bound point)
+PINNED = {"run": RUN_PINNED, "search": ("--bound", "point")}
 RUN_COMMON = ("--n-prompts", "3", "--length", "8", "--seed", "0", "--head-tokens", "1024", "--head-epochs", "20",
               "--utility-tokens", "128", "--margin-positions", "-1", "--no-tracking", "--no-progress",
               "--out", "{out}")
@@ -86,7 +89,7 @@ NOISE_COMMON = ("--n-prompts", "2", "--length", "6", "--exact-prompts", "1", "--
                 "--seed", "0", "--out", "{out}")
 SEARCH_FAST = ("--model", "tiny-llama", "--layer", "-1", "--families", "noise,quant", "--n-prompts", "1",
                "--length", "4", "--utility-tokens", "32", "--attacks", "sipit", "--sigma-low", "0.05",
-               "--sigma-high", "20", "--threshold", "0.3", "--bound", "point", "--seed", "0",
+               "--sigma-high", "20", "--threshold", "0.3", "--seed", "0",
                "--budget", '{"k_prior": 8, "k_grad": 8, "pooled_beam": 2, "pooled_topk": 16, '
                            '"head_tokens": 256, "head_epochs": 2}')
 INVERT_TEXT = "The cat sat on the mat."
@@ -114,7 +117,7 @@ class Case:
         return [*self.tol, *(SMOL_TOL if self.smollm else ()), *FIELD_TOL]
 
     def argv(self, out: Path, tmp: Path) -> list[str]:
-        pinned = RUN_PINNED if self.command == "run" else ()
+        pinned = PINNED.get(self.command, ())
         return [sys.executable, "-m", MODULES[self.command], *pinned,
                 *(a.replace("{out}", str(out)).replace("{tmp}", str(tmp)) for a in self.args)]
 

@@ -113,22 +113,35 @@ def test_unusable_store_is_reported_within_seconds(tmp_path, make_uri, message):
 
 
 def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path):
-    """Ctrl-C while MLflow migrates a new sqlite store: the store is absent (or whole), and opens afterwards."""
+    """Ctrl-C while MLflow migrates a new sqlite store: the store is absent (or whole), and opens afterwards.
+
+    Python drops a KeyboardInterrupt that lands in a garbage-collection callback (notes/issue-16.md);
+    then the creation finishes and the store must be whole. Up to three tries, until one is interrupted."""
     db = tmp_path / "store" / "mlflow.db"
-    proc = subprocess.Popen([sys.executable, "-c", f"from benchmarks.tracking import Tracker; Tracker('sqlite:///{db}', 'x')"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not list(db.parent.glob(".mlflow.db.creating-*")):  # migrating now
-            assert proc.poll() is None and time.monotonic() < deadline, "the store was never being created"
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "KeyboardInterrupt" in proc.stderr.read()
-    assert not db.exists() and not list(db.parent.glob(".mlflow.db.*"))
+    interrupted = False
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", f"from benchmarks.tracking import Tracker; Tracker('sqlite:///{db}', 'x')"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not list(db.parent.glob(".mlflow.db.creating-*")):  # migrating now
+                assert proc.poll() is None and time.monotonic() < deadline, "the store was never being created"
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        leftovers = list(db.parent.glob(".mlflow.db.*"))
+        if code != 0:
+            assert "KeyboardInterrupt" in proc.stderr.read()
+            assert not db.exists() and not leftovers
+            interrupted = True
+            break
+        # the signal was dropped: the creation went on, and the store it left is whole
+        assert not leftovers and MlflowClient(tracking_uri=f"sqlite:///{db}").get_experiment_by_name("x") is not None
+        db.unlink()
+    assert interrupted, "three Ctrl-Cs were all dropped"
     tracker = Tracker(f"sqlite:///{db}", "x")  # it used to fail forever: "index index_params_run_uuid already exists"
     run_id = tracker.start_parent("p", {"a": 1}, {})
     tracker.finish(run_id)

@@ -88,21 +88,27 @@ def test_killed_worker_loses_nothing_and_study_resumes(tmp_path):
     storage, uri = str(tmp_path / "study.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
     quiet = lambda *a, **k: None  # noqa: E731
     timing = dict(heartbeat_interval=1, grace_period=3)
-    run_search(storage, "kill", 4, create_only=True, tracking_uri=uri, log=quiet, **timing, **FAST)
+    n = 8  # tiny trials take ~0.1 s: enough of them that one is caught running after another completed
+    run_search(storage, "kill", n, create_only=True, tracking_uri=uri, log=quiet, **timing, **FAST)
     config = search.make_config(**{k: v for k, v in FAST.items()}, mode="constrained", seed=0, prompts="mixed",
                                 tying_method="rare", experiment="sipit-search")
-    cmd, env = search.worker_process("kill", 4, config, worker_index=0, storage=storage, tracking_uri=uri, track=True,
+    cmd, env = search.worker_process("kill", n, config, worker_index=0, storage=storage, tracking_uri=uri, track=True,
                                      storage_wait=30, out=tmp_path / "out", **timing)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
             trials = _trials(storage, "kill")
-            # kill only once the running trial has linked its MLflow run (set a moment after it starts)
+            assert sum(t.state == TrialState.COMPLETE for t in trials) < n, "every trial finished before the kill"
+            # kill only once the running trial has linked its MLflow run (set a moment after it starts); trials
+            # are shorter than a poll can be trusted to see, so freeze the worker first and look again
             running = [t for t in trials if t.state == TrialState.RUNNING and "mlflow_run_id" in t.user_attrs]
             if any(t.state == TrialState.COMPLETE for t in trials) and running:
-                break
-            time.sleep(0.2)
+                os.kill(proc.pid, signal.SIGSTOP)
+                if _trials(storage, "kill")[running[0].number].state == TrialState.RUNNING:
+                    break
+                os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.02)
         else:
             pytest.fail("worker never completed a trial and started the next one")
         os.kill(proc.pid, signal.SIGKILL)
@@ -114,10 +120,10 @@ def test_killed_worker_loses_nothing_and_study_resumes(tmp_path):
     done_before = {t.number: t.user_attrs["recovery"] for t in before if t.state == TrialState.COMPLETE}
     killed = [t for t in before if t.state == TrialState.RUNNING]
     assert len(killed) == 1 and done_before
-    result = run_search(storage, "kill", 4, workers=1, tracking_uri=uri, out=tmp_path / "out", log=quiet, **timing, **FAST)
+    result = run_search(storage, "kill", n, workers=1, tracking_uri=uri, out=tmp_path / "out", log=quiet, **timing, **FAST)
     after = _trials(storage, "kill")
     complete = [t for t in after if t.state == TrialState.COMPLETE]
-    assert len(complete) == 4 and result["report"]["counts"]["COMPLETE"] == 4
+    assert len(complete) == n and result["report"]["counts"]["COMPLETE"] == n
     for number, recovery in done_before.items():  # completed trials survived untouched
         assert after[number].state == TrialState.COMPLETE and after[number].user_attrs["recovery"] == recovery
     dead = after[killed[0].number]

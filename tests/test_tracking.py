@@ -120,8 +120,11 @@ def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path):
     db = tmp_path / "store" / "mlflow.db"
     interrupted = False
     for _ in range(3):
+        # SIGINT back to its default in the child: a test run started in the background (``cmd &``) inherits
+        # it ignored, and Python then never raises KeyboardInterrupt
         proc = subprocess.Popen([sys.executable, "-c", f"from benchmarks.tracking import Tracker; Tracker('sqlite:///{db}', 'x')"],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 60
             while not list(db.parent.glob(".mlflow.db.creating-*")):  # migrating now

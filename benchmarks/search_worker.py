@@ -155,10 +155,11 @@ def _is_storage_failure(err: BaseException, study) -> bool:
     return _in_chain(err, (StorageLost, *storage_errors())) or storage_down(study)
 
 
-def _abandon(study, current: dict, runs, status: str, reason: str) -> bool:
+def _abandon(study, current: dict, runs, status: str, reason: str, *, failed_here: bool = False) -> bool:
     """FAIL this worker's current trial if it is still RUNNING, re-queue it, mark its MLflow runs ``status``.
 
-    Returns whether it was re-queued (False: no trial, no parameters drawn yet, or already re-queued).
+    ``failed_here``: a FAIL state found was set in this process (Optuna on Ctrl-C); otherwise it was another
+    worker's reaper, which re-queues the trial itself. Returns whether it was re-queued here.
     """
     import optuna
     from optuna.trial import TrialState
@@ -169,22 +170,25 @@ def _abandon(study, current: dict, runs, status: str, reason: str) -> bool:
     frozen = study._storage.get_trial(trial._trial_id)
     if frozen.state == TrialState.RUNNING:
         try:
-            study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            failed_here = bool(study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL))
         except optuna.exceptions.UpdateFinishedTrialError:
-            pass
+            failed_here = False  # another worker finished it first
         frozen = study._storage.get_trial(trial._trial_id)
     if frozen.state != TrialState.FAIL:
         return False  # it completed (or stood down) before the failure: nothing to redo
     if runs is not None:
         runs.terminate(frozen.number, status, reason)
-    return requeue(study, frozen)
+    # A trial found FAIL was failed by another worker's reaper as stale (unless ``failed_here``: Optuna in
+    # this process failed it, on Ctrl-C), and that reaper re-queues it (search_storage._stale_callback);
+    # re-queuing it here as well raced with it (two retries of one trial).
+    return requeue(study, frozen) if failed_here else False
 
 
 def _interrupted(study, current: dict, runs, worker: int, log) -> SearchInterrupted:
     """Ctrl-C in a worker: re-queue the running trial; the message says what happened (and nothing more)."""
     trial = current.get("trial")
     try:
-        queued = _abandon(study, current, runs, "KILLED", "interrupted (Ctrl-C)")
+        queued = _abandon(study, current, runs, "KILLED", "interrupted (Ctrl-C)", failed_here=True)
     except Exception as err:  # noqa: BLE001 - the storage may be what we are interrupting
         return SearchInterrupted(f"worker {worker} interrupted; trial {trial.number if trial else '-'} could not "
                                  f"be re-queued ({describe_error(err)}): it goes stale and is retried after "

@@ -147,12 +147,13 @@ def _stop_mid_trial(s: Search, exclude_pid: int):
 
 
 def _assert_complete_once(trials, n_trials: int) -> None:
-    """Exactly ``n_trials`` COMPLETE; every FAIL trial that drew parameters retried once with those parameters."""
+    """Exactly ``n_trials`` COMPLETE; every FAIL trial that drew parameters retried once with those parameters
+    (a trial that died between two draws, say in an outage, is retried with the ones it drew and draws the rest)."""
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(complete) == n_trials
     for dead in (t for t in trials if t.state == TrialState.FAIL and t.params):
         retries = [t for t in trials if (t.system_attrs.get("retry_history") or [None])[-1] == dead.number]
-        assert len(retries) == 1 and retries[0].params == dead.params
+        assert len(retries) == 1 and dead.params.items() <= retries[0].params.items()
 
 
 def test_three_workers_one_killed_study_completes_with_terminal_mlflow_runs(postgres, mlflow_server, searches, tmp_path):

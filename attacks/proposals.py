@@ -39,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attacks.corpus import corpus_windows, random_windows
-from sipit.models import cache_dir
+from sipit.models import cache_dir, save_to_cache
 from sipit.vocab_table import weights_fingerprint
 from sipit.whitebox import WhiteBox
 
@@ -241,14 +240,7 @@ def corpus_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_
     except Exception:  # noqa: BLE001 - missing or damaged: recomputed below
         pass
     states = layer_states(whitebox, windows, layer, per_pass, progress).half()  # as a reload would see them
-    try:
-        os.makedirs(path.parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
-        os.close(fd)
-        torch.save(states, tmp)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs a recomputation next time
+    save_to_cache(states, path)
     return states.float()
 
 
@@ -271,15 +263,8 @@ def _load_head(path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | Non
 
 
 def _save_head(path, head: InverseHead, report: HeadReport) -> None:
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".partial-", suffix=".pt")
-        os.close(fd)
-        torch.save({"state": head.state_dict(), "temperature": head.temperature,
-                    "report": json.dumps(report.to_dict())}, tmp)
-        os.replace(tmp, path)  # atomic: an interrupted save leaves no half file
-    except OSError:
-        pass  # a read-only cache only costs a rebuild next time
+    save_to_cache({"state": head.state_dict(), "temperature": head.temperature,
+                   "report": json.dumps(report.to_dict())}, path)
 
 
 def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...], slot: int,

@@ -16,16 +16,14 @@ the token ids, so a second run with the same model/layer/corpus loads them in we
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from attacks.corpus import DEFAULT_WINDOW, corpus_windows
-from sipit.models import cache_dir
+from sipit.models import cache_dir, save_to_cache
 
 DEFAULT_CORPUS_TOKENS = 4096
 
@@ -84,14 +82,7 @@ def corpus_states(
         torch.cat(states), torch.tensor(ids, dtype=torch.long), torch.tensor(where, dtype=torch.long), key, cached=False
     )
     if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
-            os.close(fd)
-            torch.save({"states": out.states, "ids": out.ids, "windows": out.windows}, tmp)
-            os.replace(tmp, path)  # atomic: an interrupted save leaves no half file
-        except OSError:
-            pass  # a read-only cache only costs recomputation next time
+        save_to_cache({"states": out.states, "ids": out.ids, "windows": out.windows}, path)
     return out
 
 

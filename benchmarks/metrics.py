@@ -87,9 +87,14 @@ def _finite(value) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
+def eligible_spans(spans, truth_text: str) -> list[str]:
+    """The private spans that lie whole in the prompt as attacked (module docstring)."""
+    return [span for span in spans if span in truth_text]
+
+
 def span_leaks(spans, truth_text: str, recovered_text: str) -> tuple[list[str], list[str]]:
     """The eligible and the leaked private spans of one prompt (module docstring)."""
-    eligible = [span for span in spans if span in truth_text]
+    eligible = eligible_spans(spans, truth_text)
     return eligible, [span for span in eligible if span in recovered_text]
 
 

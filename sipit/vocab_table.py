@@ -22,8 +22,6 @@ wrong shape is rebuilt, never trusted.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 
 from sipit.memo import memoised
-from sipit.models import cache_dir
+from sipit.models import cache_dir, save_to_cache
 from sipit.sweep import sweep_states
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -83,18 +81,6 @@ def _load(path: Path, expected: tuple[int, int]) -> torch.Tensor | None:
     return states
 
 
-def _save(states: torch.Tensor, path: Path) -> None:
-    """Write atomically (temp file + rename); a read-only cache only costs a rebuild next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
-        os.close(fd)
-        torch.save(states, tmp)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 @torch.no_grad()
 def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: bool = False) -> torch.Tensor:
     """F_v = Phi^l(v)_0 for every v: the vocabulary swept on the empty prefix, ``(V, d)``."""
@@ -117,7 +103,7 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
     if states is None:
         states = build_table(whitebox, layer, chunk, progress)
         if use_disk:
-            _save(states.cpu(), path)
+            save_to_cache(states.cpu(), path)
     table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem,
                        time.perf_counter() - started, cached)
     whitebox.memo[key] = table

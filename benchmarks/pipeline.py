@@ -42,6 +42,12 @@ class Exposed:
     sigmas: list[float]  # absolute noise sigma per prompt (0: none)
     exact: list[bool]  # exposed states equal the attacker's own, bit for bit
     noise_norms: list[list[float | None]]  # ||h~_t - mu_t|| per position (None: pooled)
+    served_shape: bool = False  # verify candidates at the served shape (the attacker holds shape-dependent weights)
+
+    def verifier(self, i: int):
+        """The WhiteBox that verifies prompt ``i``'s candidates: ``attacker_wb``, at the served shape
+        of prompt ``i`` when the defence's kernels depend on it (defenses.base.Defense.served_shape_matters)."""
+        return self.attacker_wb.at_served_shape(len(self.prompt_ids[i])) if self.served_shape else self.attacker_wb
 
     def knowledge(self, i: int) -> Exposure:
         """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""
@@ -57,7 +63,7 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
     served = chain.serve(loaded, layer)
     attacker = chain.attacker_model(loaded, layer, knows_defense)
     served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
-    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model)
+    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model, proposals_from=clean_wb)
     generator = torch.Generator().manual_seed(seed)
     states, sigmas, exact, norms = [], [], [], []
     for ids in tqdm(prompt_ids, desc="expose states", disable=not progress, leave=False):
@@ -72,7 +78,8 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
         else:
             norms.append([None] * len(ids))
             exact.append(False)
-    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms)
+    served_shape = knows_defense and chain.served_shape_matters and attacker.model is served.model
+    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, served_shape)
 
 
 def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):
@@ -85,7 +92,7 @@ def invert_all(exposed: Exposed, make: Callable[[int], object], tokenizer, *, pr
     """``make(i).invert(...)`` on every exposed prompt; ``on_prompt(i, inversion)`` after each."""
     inversions = []
     for i, ids in enumerate(tqdm(exposed.prompt_ids, desc=desc, disable=not progress)):
-        inversion = make(i).invert(exposed.states[i], exposed.attacker_wb, exposed.layer, tokenizer, length=len(ids))
+        inversion = make(i).invert(exposed.states[i], exposed.verifier(i), exposed.layer, tokenizer, length=len(ids))
         inversions.append(inversion)
         if on_prompt is not None:
             on_prompt(i, inversion)

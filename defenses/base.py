@@ -67,6 +67,13 @@ class Defense(ABC):
         """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
         return 0.0
 
+    @property
+    def served_shape_matters(self) -> bool:
+        """Whether the served model's states depend on the shape of its forward pass (kernels that
+        round to low precision), so that an attacker holding the served weights must verify its
+        candidates at the served shape (sipit.whitebox.WhiteBox.at_served_shape). Default: no."""
+        return False
+
     def served_copy(self, loaded: LoadedModel, build: Callable[[], T]) -> T:
         """``build()``'s modified copy of ``loaded`` (with whatever it returns alongside), made once per
         (defence, parameters) and held by ``loaded.served``, so a served model and the adaptive
@@ -186,6 +193,10 @@ class Chain(Defense):
         for member in self.members:
             loaded = member.attacker_model(loaded, layer, knows_defense)
         return loaded
+
+    @property
+    def served_shape_matters(self) -> bool:  # type: ignore[override]
+        return any(m.served_shape_matters for m in self.members)
 
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Independent Gaussian noise adds in quadrature."""

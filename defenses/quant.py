@@ -13,7 +13,12 @@ by-hand replacement with ``compress_statistics=False`` and ``.eval()`` matches `
 chosen over the whole batch, so a candidate's state would depend on the other candidates in the
 batch (measured up to 0.66 apart on SmolLM2) and batched exact verification would break. With
 ``threshold=0`` int8 is batch-independent (tested). 4-bit matmuls on this CPU run a bf16 kernel
-whatever the compute dtype.
+whatever the compute dtype: row-invariant itself, but its bf16 rounding of inputs and outputs
+magnifies the ~1e-7 differences between attention over a cached prefix and over the whole
+prompt, so a cached candidate step misses the served state by up to 0.7% (smollm2 nf4, layer 15).
+4-bit weights therefore set :attr:`served_shape_matters`: the attacker holding them verifies each
+candidate with a forward of the served prompt's shape, which reproduces the served state bit for
+bit (sipit.whitebox.WhiteBox.at_served_shape).
 
 Exposed activations (``activations``: ``int8``, ``nf4``, ``fp4`` or ``none``): the layer-l state
 tensor is stored with ``bitsandbytes.functional.quantize_blockwise`` (8-bit dynamic, blocks of
@@ -133,13 +138,19 @@ class Quantization(Defense):
         def build() -> LoadedModel:
             served = copy_loaded(loaded, f"bnb-{self.weights}")
             quantize_blocks(served.model, self.weights)
-            return served
+            with torch.no_grad():  # bnb repacks 4-bit weights for its CPU kernel on the first forward:
+                served.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=served.model.device))
+            return served  # do it now, so the weights (and the caches keyed by their hash) never change
 
         return self.served_copy(loaded, build)
 
     @property
     def alters_exposure(self) -> bool:
         return self.activations != "none"
+
+    @property
+    def served_shape_matters(self) -> bool:  # type: ignore[override]
+        return self.weights in ("nf4", "fp4")
 
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return quantize_activations(states, self.activations, self.blocksize)

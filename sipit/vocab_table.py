@@ -83,7 +83,9 @@ def _load(path: Path, expected: tuple[int, int]) -> torch.Tensor | None:
 
 @torch.no_grad()
 def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: bool = False) -> torch.Tensor:
-    """F_v = Phi^l(v)_0 for every v: the vocabulary swept on the empty prefix, ``(V, d)``."""
+    """F_v = Phi^l(v)_0 for every v: the vocabulary swept on the empty prefix, ``(V, d)`` (incremental
+    steps, also for a WhiteBox that verifies at the served shape: the table ranks, it does not verify)."""
+    whitebox = whitebox.at_served_shape(None)
     empty = whitebox.prefix_cache([], layer)
     return sweep_states(whitebox, empty, chunk=chunk, progress=progress, desc=f"position-0 table l={layer}")
 
@@ -118,5 +120,6 @@ def vocabulary_states(whitebox: WhiteBox, prefix: PrefixCache, chunk: int = 1024
     """
     if prefix.length == 0:
         return position_zero_table(whitebox, prefix.layer, chunk=chunk).states
+    plain = whitebox.at_served_shape(None)  # the memo is shared: always the incremental steps' states
     return memoised(whitebox, "vocabulary-states", (prefix.layer, prefix.tokens),
-                    lambda: sweep_states(whitebox, prefix, chunk=chunk), size=TABLE_MEMO_SIZE)
+                    lambda: sweep_states(plain, prefix, chunk=chunk), size=TABLE_MEMO_SIZE)

@@ -14,6 +14,16 @@ What "layer l" means (the one definition used everywhere in sipit-bench):
 No block above ``l`` is ever computed: a hook on block ``l`` captures its output and stops the
 forward pass there (``blocks_run`` counts the blocks that completed, for tests).
 
+Verification at the served shape (:meth:`WhiteBox.at_served_shape`): a candidate's state is
+normally one incremental step on the cached prefix, which equals the full forward's state up to
+float rounding (sipit.tolerance measures the gap). Some kernels make that gap large: bitsandbytes'
+4-bit CPU matmul rounds its input and output to bf16, so the ~1e-7 differences between attention
+over t+1 keys (a cached step) and over n keys (the served forward of the whole prompt) flip bf16
+roundings and grow through the blocks (0.7% relative at layer 15 of smollm2 nf4). The kernel
+itself is row-invariant, and a causal model's state at position t does not depend on the tokens
+after t (masked keys add exact zeros), so a forward of the served shape ``(B, n)``, with the
+candidate at t and any filler after it, reproduces the served state at t bit for bit.
+
 The model is reached only through generic handles: its embedding module
 (``get_input_embeddings``), its ``ModuleList`` of blocks, and its base model's ``forward`` with
 ``inputs_embeds``/``position_ids``/``cache``. GPT-2 and Llama blocks, tied or untied heads and
@@ -22,8 +32,8 @@ scaled embeddings all go through the same path.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch
@@ -64,8 +74,14 @@ def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
 class WhiteBox:
     """Phi^l for one causal LM: states, prefix caches, batched candidate steps, relaxed steps."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, proposals_from: "WhiteBox | None" = None):
         self.model = model
+        # The model whose inverse heads (attacks.proposals) rank this one's candidates: the
+        # full-precision original of a served copy (quantised, tied), so a copy trains no heads
+        # of its own. Heads only order candidates; acceptance is verified on this model, so
+        # exactness never depends on them. (Position 0 still reads this model's own table: the
+        # original's rows can lie far from a 4-bit copy's, measured 17,919 candidates on smollm2.)
+        self.proposals_from = proposals_from
         self.config = model.config
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -81,6 +97,29 @@ class WhiteBox:
         # Results derived from this model alone (position-0 tables, inverse heads, weight hash),
         # kept as long as the WhiteBox: one owner for every per-model cache, no module globals.
         self.memo: dict = {}
+        # None: candidates are verified by one incremental step on the cached prefix; n: by a
+        # forward of the served shape (B, n) (module docstring, at_served_shape).
+        self.served_length: int | None = None
+
+    def at_served_shape(self, length: int | None) -> "WhiteBox":
+        """This WhiteBox (same model, same ``memo``) verifying candidates at the served shape.
+
+        :meth:`step` then computes mu_{p,v} as position ``|p|`` of a forward of ``B`` sequences
+        of ``length`` tokens, ``p + v + (v, ..., v)``: bit for bit the state the provider's forward
+        of a ``length``-token prompt produced, whatever the kernels' dependence on the sequence
+        shape, at about ``length`` times the cost of an incremental step. ``None``: the same model
+        with incremental steps (what vocabulary sweeps and tables use; ``self`` if it already is).
+        """
+        if length is None:
+            if self.served_length is None:
+                return self
+        elif isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise SipitInputError(f"the served length must be an int >= 1, got {length!r}")
+        else:
+            self.check_length(length, "the served prompt")
+        view = copy.copy(self)
+        view.served_length = length
+        return view
 
     @property
     def device(self) -> torch.device:
@@ -306,7 +345,23 @@ class WhiteBox:
         """
         candidates = torch.as_tensor(candidates, dtype=torch.long, device=self.device)
         states, cache = self._step(prefix, self.embed(candidates))
+        if self.served_length is not None:
+            states = self._served_shape_states(prefix, candidates)
         return CandidateBatch(candidates=candidates, states=states, prefix=prefix, cache=cache)
+
+    def _served_shape_states(self, prefix: PrefixCache, candidates: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
+        """mu_{p,v} read at position ``|p|`` of ``(B, served_length)`` forwards (at_served_shape).
+
+        The incremental step above still provides the extended prefix cache (the policies' gradient
+        and prior use it); only the states that decide acceptance come from here."""
+        n, t = self.served_length, prefix.length
+        if t >= n:
+            raise SipitInputError(f"position {t} is past the served length {n}")
+        rows = torch.tensor(prefix.tokens, dtype=torch.long, device=self.device).expand(len(candidates), t)
+        ids = torch.cat([rows, candidates[:, None].expand(-1, n - t)], dim=1)
+        per_chunk = max(1, chunk_tokens // n)
+        return torch.cat([self._forward_to(self.embed(part), prefix.layer, 0, None)[:, t]
+                          for part in ids.split(per_chunk)])
 
     @torch.no_grad()
     def extend(self, prefix: PrefixCache, token: int) -> PrefixCache:

@@ -299,3 +299,46 @@ def test_continued_inference_prices_what_leaks_from_the_exposed_copy(llama):
             ] == [False, False, False, True, True]
     assert inside.continued_ppl == inside.ppl_served
     assert torch.equal(WhiteBox(llama.model).states(_ids(6), 3), before)  # no hook left on the clean model
+
+
+def _fp4_prompt() -> torch.Tensor:
+    # 24 seeded ids on which tiny-llama's fp4 copy shows a cached-step gap on this CPU's bf16 kernel
+    return torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(24))
+
+
+def test_served_shape_verification_reproduces_the_served_4bit_states_bit_for_bit(llama):
+    served = make_defense("quant", weights="fp4").serve(llama, 4)
+    wb = WhiteBox(served.model)
+    ids, layer = _fp4_prompt(), wb.n_layers
+    full = wb.states(ids, layer)
+    view = wb.at_served_shape(len(ids))
+    assert view.memo is wb.memo and wb.served_length is None and view.served_length == len(ids)
+    prefix = view.prefix_cache([], layer)
+    cached_gap = 0.0
+    for t, token in enumerate(ids.tolist()):
+        candidates = torch.tensor([3, token, 11])
+        batch = view.step(prefix, candidates)
+        assert torch.equal(batch.states[1], full[t])  # the served state, whatever the batch holds
+        cached = wb.step(prefix, candidates).states[1]
+        cached_gap = max(cached_gap, ((cached - full[t]).norm() / full[t].norm()).item())
+        prefix = batch.extended(1)
+    if bnb.functional.has_avx512bf16():  # the bf16 4-bit kernel: cached steps miss by more than SipIt's eps
+        assert cached_gap > 1e-4
+    with pytest.raises(SipitInputError, match="served length"):
+        wb.at_served_shape(0)
+
+
+def test_the_pipeline_verifies_4bit_candidates_at_the_served_shape_and_inverts_exactly(llama):
+    from benchmarks.pipeline import expose, invert_all
+
+    ids, layer = _fp4_prompt().tolist(), 4
+    chain = make_chain("quant", weights="fp4")
+    clean_wb = WhiteBox(llama.model)
+    adaptive = expose(chain, llama, clean_wb, layer, [ids], seed=0)
+    assert adaptive.served_shape and adaptive.exact == [True]
+    assert adaptive.verifier(0).served_length == len(ids) and adaptive.attacker_wb.proposals_from is clean_wb
+    inv = invert_all(adaptive, lambda i: SipIt(GradientPolicy()), llama.tokenizer)[0]
+    assert inv.ids == ids and inv.all_verified
+    naive = expose(chain, llama, clean_wb, layer, [ids], seed=0, knows_defense=False)
+    assert not naive.served_shape and naive.verifier(0) is clean_wb and naive.exact == [False]
+    assert not make_chain("quant", weights="int8").served_shape_matters

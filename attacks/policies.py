@@ -166,11 +166,15 @@ class LearnedPolicy:
         """Load or build the position-0 table and the inverse heads of (model, ``layer``)."""
         if tokenizer is None:
             raise ValueError("the learned policy trains its heads on text: pass the tokenizer to invert()")
+        source = whitebox.proposals_from or whitebox  # a served copy ranks with its original's heads
         self.table = position_zero_table(whitebox, layer, progress=self.progress)
-        self.heads = {slot: inverse_head(whitebox, tokenizer, layer, self.head_config, slot=slot,
+        self.heads = {slot: inverse_head(source, tokenizer, layer, self.head_config, slot=slot,
                                          progress=self.progress) for slot in SLOTS}
         lines = [f"position-0 table (layer {layer}): {'loaded from the cache' if self.table.cached else 'built'} "
                  f"in {self.table.seconds:.1f} s"]
+        if source is not whitebox:
+            lines.append("inverse heads: the full-precision original's (they rank the served copy's candidates; "
+                         "the copy verifies them)")
         for slot, (_, report) in self.heads.items():
             how = "loaded from the cache" if report.cached else f"trained on {report.n_train} corpus tokens"
             lines.append(f"inverse head (layer {layer}, {'position 1' if slot == 1 else 'positions >= 2'}): "

@@ -193,3 +193,22 @@ def test_the_learned_shortlist_of_the_beam_holds_the_truth_and_bounds_the_work(t
         assert got.ids == p.ids  # noise-free: the heads + prior shortlist holds every true token
         assert all(len(c) <= 4 + 16 + 32 for c in beam.last_candidates[1:])  # position 0: the whole table
         assert len(beam.last_candidates[0]) == wb.vocab_size
+
+
+def test_a_served_copy_ranks_with_its_originals_heads_and_still_recovers_exactly(tmp_path, one_thread):
+    from defenses import make_defense
+
+    loaded, wb = fresh("tiny-llama")
+    copy = WhiteBox(make_defense("quant", weights="nf4").serve(loaded, 2).model, proposals_from=wb)
+    own = LearnedPolicy(SMALL)
+    own.prepare(wb, 2, loaded.tokenizer)
+    borrowed = LearnedPolicy(SMALL)
+    lines = borrowed.prepare(copy, 2, loaded.tokenizer)
+    assert any("full-precision original" in line for line in lines)
+    assert all(borrowed.heads[s][0] is own.heads[s][0] for s in own.heads)  # the original's, memoised
+    heads = sorted(p.name for p in (tmp_path / "heads").iterdir())
+    assert heads and all(weights_fingerprint(wb) in name for name in heads)  # no head trained for the copy
+    assert weights_fingerprint(copy) in table_path(copy, 2).name and table_path(copy, 2).is_file()  # its own table
+    prompt = prompt_set(loaded.tokenizer, 1, length=10, seed=9)[0]
+    inv = SipIt(borrowed).invert(copy.states(prompt.ids, 2), copy, 2, loaded.tokenizer)
+    assert inv.ids == prompt.ids and inv.all_verified

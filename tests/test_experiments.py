@@ -50,13 +50,18 @@ def test_margins_table_writes_positive_margins(tmp_path):
     assert (tmp_path / "margins.md").read_text().startswith("| layer |")
 
 
-def test_quant_recovery_same_int8_model_is_exact(tmp_path):
-    assert quant_recovery.main(["--model", "tiny-llama", "--layer", "2", "--kinds", "int8", "--n-prompts", "1",
-                                "--length", "6", "--shortlist", "16", "--out", str(tmp_path)]) == 0
-    (row,) = json.loads((tmp_path / "quant_recovery.json").read_text())
-    assert row["kind"] == "int8" and row["T"] == 6
-    assert row["same"]["exact"] and row["same"]["verified"]
-    assert 0 <= row["mismatch_fp32"]["token_acc"] <= 1
+def test_quant_recovery_same_4bit_model_is_exact_at_the_served_shape(tmp_path):
+    assert quant_recovery.main(["--model", "tiny-llama", "--layers", "4", "--kinds", "int8,fp4", "--n-prompts", "2",
+                                "--length", "12", "--policy", "gradient", "--shortlist", "16",
+                                "--margin-positions", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "quant_recovery.json").read_text())
+    assert [(r["kind"], r["layer"], r["served_shape"]) for r in rows] == [("int8", 4, False), ("fp4", 4, True)]
+    for row in rows:
+        assert row["same"]["exact"] == 2 and row["same"]["token_acc"] == 1.0 and row["same"]["verified"]
+        assert 0 <= row["mismatch_fp32"]["token_acc"] <= 1 and row["mismatch_fp32"]["tokens"] == 24
+        assert len(row["margins_quant"]["deltas"]) == 4 and all(d > 0 for d in row["margins_quant"]["deltas"].values())
+        assert row["margins_quant"]["deltas"].keys() == row["margins_fp32"]["deltas"].keys()
+    assert (tmp_path / "quant_recovery.md").read_text().startswith("| layer | weights |")
 
 
 def test_quant_recovery_refuses_an_unknown_format_before_writing(tmp_path, capsys):

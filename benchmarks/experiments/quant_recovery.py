@@ -1,42 +1,45 @@
-"""SipIt against quantised serving: same-quantised attacker (exact) vs fp32 attacker (mismatch).
+"""SipIt against quantised serving: the attacker holding the served weights vs the fp32 attacker.
 
-``flock /tmp/sipit-heavy.lock .venv/bin/python -m benchmarks.experiments.quant_recovery [--margins]``
+``flock /tmp/sipit-heavy.lock .venv/bin/python -m benchmarks.experiments.quant_recovery --layers middle,last``
 
-- same: the attacker holds the served bnb model. rel_tol is derived for that model with
-  ``sipit.tolerance.measure_gap`` / ``tolerance_from_gaps`` (batched-vs-full gap under quant);
-  SipIt + GradientPolicy must recover exactly, every position verified.
-- mismatch: the attacker holds only the fp32 weights. Nearest-neighbour decoding over the gradient
-  shortlist (attacks.registry ``nn-gradient``: position 0 over the whole vocabulary, then the top
-  ``--shortlist`` of the attacker's prior and of the gradient ranking, greedy on the decoded
-  prefix); reports token accuracy and how far the leak is from the fp32 recomputation.
-- ``--margins``: Delta_t (sipit.margins, full vocabulary) at the first few positions, fp32 vs
-  quantised, at a shallow layer (full-vocabulary sweeps are T x V steps).
+Everything goes through the benchmark's own pipeline (benchmarks.pipeline: expose -> the
+registry's strongest attack -> invert), per layer and served weight format:
+
+- ``same``: the attacker holds the served bnb model (``knows_defense``). 4-bit weights are verified
+  at the served shape (sipit.whitebox.WhiteBox.at_served_shape), so exact SipIt at the default
+  eps applies; ``cached_gap`` is the largest relative gap a cached candidate step would have had
+  (sipit.tolerance.measure_gap), i.e. why the ordinary verifier failed on 4-bit weights.
+- ``mismatch_fp32``: the attacker holds only the fp32 weights: nearest-neighbour decoding over the
+  gradient shortlist (attacks.registry ``nn-gradient``).
+- margins: Delta_t of the served model and of the fp32 model on the same prompts, at position 0 of
+  every prompt (each model's position-0 table, one sweep of the vocabulary per model and layer)
+  and at ``--margin-positions`` seeded later positions (one sweep each), by
+  benchmarks.pipeline.margins_on_subset; the cost is reported.
+
+Writes ``quant_recovery.json`` (one row per layer and format) and ``quant_recovery.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from attacks.policies import GradientPolicy
-from attacks.registry import AttackOptions, Exposure, build
-from attacks.sipit import SipIt
+from attacks.registry import AttackOptions
 from benchmarks.cli import arg, check_int, check_names, default_out_dir, run_main
-from defenses.quant import WEIGHT_KINDS, Quantization
+from benchmarks.experiments.speed import check_layer_spec, named_layers
+from benchmarks.metrics import median
+from benchmarks.pipeline import attack_for, expose, invert_all, margins_on_subset
+from benchmarks.prompts import load_prompts
+from defenses import make_chain
+from defenses.quant import WEIGHT_KINDS
 from sipit.models import DEFAULT_MODEL, load_model
-from sipit.tolerance import measure_gap, tolerance_from_gaps
+from sipit.tolerance import measure_gap
 from sipit.whitebox import WhiteBox
 
 WEIGHTS = tuple(k for k in WEIGHT_KINDS if k != "none")
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Return the list of keys sorted by value.",
-    "Paris is the capital of France and",
-]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,17 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.splitlines()[0])
     count = arg(check_int, low=1)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--layer", type=int, default=15)
+    parser.add_argument("--layers", type=arg(check_layer_spec, name=""), default="middle,last",
+                        help="comma list of first, middle, last or layer numbers")
     parser.add_argument("--kinds", type=arg(check_names, choices=WEIGHTS), default="int8,nf4,fp4",
                         help="comma list of served weight formats")
-    parser.add_argument("--n-prompts", type=arg(check_int, low=1), default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
-    parser.add_argument("--length", type=count, default=None, help="tokens kept per prompt (default: all)")
-    parser.add_argument("--shortlist", type=count, default=256)
-    parser.add_argument("--margins", action="store_true")
-    parser.add_argument("--margin-layer", type=int, default=1)
-    parser.add_argument("--margin-positions", type=count, default=3)
+    parser.add_argument("--n-prompts", type=count, default=10)
+    parser.add_argument("--length", type=count, default=20, help="tokens per prompt")
+    parser.add_argument("--prompts", default="natural", help="prompt set (benchmarks.prompts): natural, mixed, random")
+    parser.add_argument("--policy", default="learned", choices=("learned", "gradient"),
+                        help="exact SipIt's candidate order")
+    parser.add_argument("--shortlist", type=count, default=256, help="the fp32 attacker's prior and gradient shortlists")
+    parser.add_argument("--margin-positions", type=arg(check_int, low=0), default=3,
+                        help="later positions with a full-vocabulary margin (position 0 of every prompt is always measured)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None,
-                        help=f"results folder: quant_recovery.json (default {default_out_dir('quant-recovery')})")
+                        help=f"results folder (default {default_out_dir('quant-recovery')})")
     return parser
 
 
@@ -62,51 +69,83 @@ def main(argv=None) -> int:
     return run_main(build_parser(), recovery_command, argv)
 
 
+def _accuracy(inversions, prompt_ids) -> dict:
+    hits = sum(a == b for inv, ids in zip(inversions, prompt_ids) for a, b in zip(inv.ids, ids))
+    total = sum(len(ids) for ids in prompt_ids)
+    return {"token_acc": round(hits / total, 4), "tokens": total,
+            "exact": sum(inv.ids == ids for inv, ids in zip(inversions, prompt_ids)), "prompts": len(prompt_ids)}
+
+
+def _attack(exposed, options: AttackOptions, tokenizer) -> dict:
+    inversions = invert_all(exposed, lambda i: attack_for(exposed, i, "sipit", options), tokenizer)
+    row = _accuracy(inversions, exposed.prompt_ids)
+    row["verified"] = all(inv.all_verified for inv in inversions)
+    row["explored"] = round(sum(inv.explored_fraction for inv in inversions) / len(inversions), 6)
+    row["seconds_per_prompt"] = round(median(inv.seconds for inv in inversions), 2)
+    row["seconds"] = round(sum(inv.seconds for inv in inversions), 1)  # decoding only, no one-time setup
+    return row
+
+
+def _margins(exposed, positions: int, seed: int) -> dict:
+    m = margins_on_subset(exposed, positions, seed)
+    deltas = dict(zip(map(tuple, m["positions"]), m["deltas"]))
+    return {"deltas": {f"{i}:{t}": round(d, 4) for (i, t), d in deltas.items()}, "seconds": round(m["seconds"], 1)}
+
+
 def recovery_command(args: argparse.Namespace) -> int:
-    """Every (kind, prompt) row printed as it is measured, all rows written to ``--out`` at the end."""
+    """Every (layer, kind) row printed as it is measured; json and markdown written at the end."""
     clean = load_model(args.model)
     clean_wb = WhiteBox(clean.model)
-    args.layer = clean_wb.resolve_layer(args.layer)
-    prompts = [torch.tensor(clean.tokenizer(p, add_special_tokens=False)["input_ids"][: args.length])
-               for p in PROMPTS[: args.n_prompts]]
+    layers = named_layers(args.layers, clean_wb)
+    prompt_ids = load_prompts(clean.tokenizer, args.n_prompts, length=args.length, seed=args.seed,
+                              natural_fraction={"natural": 1.0, "mixed": 0.9, "random": 0.0}[args.prompts])
+    options = AttackOptions(policy=args.policy, seed=args.seed,
+                            shortlist={"k_prior": args.shortlist, "k_grad": args.shortlist})
     rows = []
-    for kind in args.kinds:
-        defense = Quantization(weights=kind)
-        served = defense.serve(clean, args.layer)
-        wb = WhiteBox(served.model)
-        gaps = torch.cat([measure_gap(wb, ids, args.layer) for ids in prompts])
-        rel_tol = tolerance_from_gaps(gaps)
-        for ids in prompts:
-            observed = defense.expose(wb.states(ids, args.layer))
-            t0 = time.perf_counter()
-            inv = SipIt(GradientPolicy(), rel_tol=rel_tol).invert(observed, wb, args.layer, clean.tokenizer)
-            same = {"exact": inv.ids == ids.tolist(), "verified": inv.all_verified,
-                    "explored": round(inv.explored_fraction, 5), "seconds": round(time.perf_counter() - t0, 1)}
-            t0 = time.perf_counter()
-            mismatched = build("nn-gradient", Exposure(exact=False),
-                               AttackOptions(shortlist={"k_prior": args.shortlist, "k_grad": args.shortlist}))
-            guess = mismatched.invert(observed, clean_wb, args.layer).ids
-            fp32 = clean_wb.states(ids, args.layer)
-            mismatch = {"token_acc": sum(a == b for a, b in zip(guess, ids.tolist())) / len(ids),
-                        "exact": guess == ids.tolist(),
-                        "leak_vs_fp32_rel": round(float((observed - fp32).norm(dim=-1).div(fp32.norm(dim=-1)).max()), 4),
-                        "seconds": round(time.perf_counter() - t0, 1)}
-            rows.append({"kind": kind, "layer": args.layer, "T": len(ids), "max_gap": float(gaps.max()),
-                         "rel_tol": rel_tol, "same": same, "mismatch_fp32": mismatch})
+    for layer in layers:
+        fp32_margins = None
+        for kind in args.kinds:
+            chain = make_chain("quant", weights=kind)
+            adaptive = expose(chain, clean, clean_wb, layer, prompt_ids, seed=args.seed)
+            naive = expose(chain, clean, clean_wb, layer, prompt_ids, seed=args.seed, knows_defense=False)
+            gaps = torch.cat([measure_gap(adaptive.attacker_wb, torch.tensor(ids), layer) for ids in prompt_ids[:2]])
+            if fp32_margins is None:
+                fp32_margins = _margins(naive, args.margin_positions, args.seed)
+            quant_margins = _margins(adaptive, args.margin_positions, args.seed)
+            rows.append({
+                "kind": kind, "layer": layer, "served_shape": adaptive.served_shape,
+                "cached_gap": float(gaps.max()),
+                "same": _attack(adaptive, options, clean.tokenizer),
+                "mismatch_fp32": _attack(naive, options, clean.tokenizer),
+                "leak_vs_fp32_rel": round(max(float((a - b).norm(dim=-1).div(b.norm(dim=-1)).max())
+                                              for a, b in zip(adaptive.states,
+                                                              (clean_wb.states(ids, layer) for ids in prompt_ids))), 4),
+                "margins_quant": quant_margins, "margins_fp32": fp32_margins,
+            })
             print(json.dumps(rows[-1]), flush=True)
-        if args.margins:
-            from sipit.margins import margins
-
-            ids = prompts[0][: args.margin_positions]
-            m_q = margins(wb, ids, args.margin_layer, chunk=2048)
-            m_c = margins(clean_wb, ids, args.margin_layer, chunk=2048)
-            rows.append({"kind": kind, "margin_layer": args.margin_layer, "delta_fp32": m_c.delta.tolist(),
-                         "delta_quant": m_q.delta.tolist()})
-            print(json.dumps(rows[-1]), flush=True)
+            clean.served.clear()  # one quantised copy in memory at a time
     out = Path(args.out) if args.out is not None else default_out_dir("quant-recovery")
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_recovery.json").write_text(json.dumps(rows, indent=1))
+    (out / "quant_recovery.md").write_text(markdown(rows))
     return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per (layer, format): both attackers, the cached gap, and the margin ratio."""
+    lines = ["| layer | weights | same-model SipIt: token acc. (exact prompts) | explored | s / prompt "
+             "| cached-step gap | fp32 attacker: token acc. | leak vs fp32 | median Delta quant / fp32 (n) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, m = r["same"], r["mismatch_fp32"]
+        q, f = r["margins_quant"]["deltas"], r["margins_fp32"]["deltas"]
+        common = [k for k in q if k in f]
+        ratio = median(q[k] / f[k] for k in common) if common else float("nan")
+        lines.append(f"| {r['layer']} | {r['kind']} | {s['token_acc']:.3f} ({s['exact']}/{s['prompts']}) "
+                     f"| {100 * s['explored']:.3f}% | {s['seconds_per_prompt']} | {r['cached_gap']:.1e} "
+                     f"| {m['token_acc']:.3f} ({m['exact']}/{m['prompts']}) | {r['leak_vs_fp32_rel']:.3f} "
+                     f"| {ratio:.3f} ({len(common)}) |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ An attack is built from two things:
 the exposure (:func:`strongest`):
 
     pooled exposure              -> "pooled-beam"   (attacks.pooled.PooledBeamAttack)
+    exact states of a tied model -> "sipit-member"  (attacks.tied.MemberByPrior: SipIt for the group,
+                                                     the served model's prior for the member)
     sigma > 0                    -> ROBUST[options.robust]: "nn-heuristic" (radius, the default:
                                     SipIt's loop in ``options.policy`` order, stopping inside the noise
                                     radius), "map", "beam" or "nn-shortlist"
@@ -38,11 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from attacks.head import InverseHeadAttack
 from attacks.policies import RandomPolicy, make_policy
 from attacks.pooled import PooledBeamAttack
 from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
 from attacks.sipit import SipIt
+from attacks.tied import MemberByPrior
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Exposure:
     sigma: float = 0.0  # absolute noise sigma per coordinate (0: no noise)
     exact: bool = True  # the states equal the attacker model's own (bit for bit)
     pooling: object | None = None  # the defences.pooling.Pooling member when the exposure is pooled
+    groups: torch.Tensor | None = None  # token -> tied group (defenses.tying) when the attacker holds the tied model
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ def _pooled(e: Exposure, o: AttackOptions):
 #: name -> builder(exposure, options). Adding an attack is one entry here.
 BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "sipit-exact": lambda e, o: SipIt(make_policy(o.policy), seed=o.seed),
+    "sipit-member": lambda e, o: MemberByPrior(SipIt(make_policy(o.policy), seed=o.seed), e.groups),
     "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
     "nn-heuristic": lambda e, o: NearestNeighbour(make_policy(o.policy), stop="heuristic", sigma=e.sigma,
                                                   **_given(max_candidates=o.max_candidates)),
@@ -114,7 +121,9 @@ def strongest(exposure: Exposure, options: AttackOptions) -> str:
         return "pooled-beam"
     if exposure.sigma > 0:
         return ROBUST[options.robust]
-    return "nn-gradient" if not exposure.exact else "sipit-exact"
+    if not exposure.exact:
+        return "nn-gradient"
+    return "sipit-member" if exposure.groups is not None else "sipit-exact"
 
 
 def build(name: str, exposure: Exposure = Exposure(), options: AttackOptions = AttackOptions()):

@@ -51,8 +51,11 @@ class Exposed:
 
     def knowledge(self, i: int) -> Exposure:
         """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""
-        pooling = None if self.chain.per_position else list(getattr(self.chain, "members", [self.chain]))[-1]
-        return Exposure(sigma=self.sigmas[i], exact=self.exact[i], pooling=pooling)
+        members = list(getattr(self.chain, "members", [self.chain]))
+        pooling = None if self.chain.per_position else members[-1]
+        tying = next((m for m in members if hasattr(m, "group_members")), None)
+        groups = tying.groups() if tying is not None and self.exact[i] else None  # exact: it holds the tied model
+        return Exposure(sigma=self.sigmas[i], exact=self.exact[i], pooling=pooling, groups=groups)
 
 
 def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, seed: int,

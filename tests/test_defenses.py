@@ -342,3 +342,31 @@ def test_the_pipeline_verifies_4bit_candidates_at_the_served_shape_and_inverts_e
     naive = expose(chain, llama, clean_wb, layer, [ids], seed=0, knows_defense=False)
     assert not naive.served_shape and naive.verifier(0) is clean_wb and naive.exact == [False]
     assert not make_chain("quant", weights="int8").served_shape_matters
+
+
+def test_the_tied_attacker_recovers_the_group_and_the_prior_picks_the_member(llama):
+    from attacks.registry import AttackOptions
+    from attacks.tied import MemberByPrior
+    from benchmarks.pipeline import attack_for, expose, invert_all
+    from sipit.prior import NextTokenPrior
+
+    chain = make_chain("tying", rare=400)
+    served = chain.serve(llama, 3)
+    groups = next(m for m in getattr(chain, "members", [chain]) if m.name == "tying").groups()
+    tied_groups = [g for g in groups.unique().tolist() if int((groups == g).sum()) > 1]
+    # A prompt the prior decides: each position's true token is the prior's pick within its tied group.
+    prior, ids = NextTokenPrior(served.model), []
+    for g in torch.tensor(tied_groups)[torch.randperm(len(tied_groups), generator=torch.Generator().manual_seed(1))[:10]]:
+        members = torch.nonzero(groups == g).flatten()
+        ids.append(int(members[int(prior.logprobs[members].argmax())]))
+        prior.push(ids[-1])
+    exposed = expose(chain, llama, WhiteBox(llama.model), 3, [ids], seed=0)
+    options = AttackOptions(policy="gradient")
+    attack = attack_for(exposed, 0, "sipit", options)
+    assert isinstance(attack, MemberByPrior)
+    inv = invert_all(exposed, lambda i: attack, llama.tokenizer)[0]
+    assert inv.ids == ids and inv.all_verified
+    plain = invert_all(exposed, lambda i: attack.inner, llama.tokenizer)[0]  # the order's member
+    assert torch.equal(groups[plain.ids], groups[ids]) and plain.ids != ids
+    naive = expose(chain, llama, WhiteBox(llama.model), 3, [ids], seed=0, knows_defense=False)
+    assert not isinstance(attack_for(naive, 0, "sipit", options), MemberByPrior)

@@ -381,17 +381,26 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
 
 def group_recovery(chain, truths: list[list[int]], inversions: list) -> dict:
     """Under weight tying, tied tokens have identical states: the attacker that knows the tied model
-    recovers at best the group. ``group_accuracy`` = fraction of positions whose recovered token is
-    in the true token's group; ``group_member_accuracy`` = of those, the fraction where the exact
-    token was picked (by the candidate order: the gradient ranking and the model's prior). {} without tying."""
+    recovers at best the group, and picks the member by the served model's prior (attacks.tied).
+    ``group_accuracy`` = fraction of positions whose recovered token is in the true token's group;
+    ``group_member_accuracy`` = of those, the fraction where the exact token was picked;
+    ``tied_positions`` = positions whose true token shares its group with others, and
+    ``tied_member_accuracy`` = the exact-token fraction among them (how often the prior resolves a
+    real tie). {} without tying."""
+    import torch
+
     tying = next((m for m in getattr(chain, "members", [chain]) if m.name == "tying"), None)
     if tying is None:
         return {}
     groups = tying.groups()
+    sizes = torch.bincount(groups, minlength=len(groups))
     pairs = [(a, b) for truth, inv in zip(truths, inversions) for a, b in zip(inv.ids, truth)]
     in_group = [(a, b) for a, b in pairs if int(groups[a]) == int(groups[b])]
+    tied = [(a, b) for a, b in pairs if int(sizes[groups[b]]) > 1]
     return {"group_accuracy": len(in_group) / len(pairs) if pairs else float("nan"),
-            "group_member_accuracy": sum(a == b for a, b in in_group) / len(in_group) if in_group else float("nan")}
+            "group_member_accuracy": sum(a == b for a, b in in_group) / len(in_group) if in_group else float("nan"),
+            "tied_positions": len(tied),
+            "tied_member_accuracy": sum(a == b for a, b in tied) / len(tied) if tied else float("nan")}
 
 
 # --------------------------------------------------------------------------- CLI

@@ -81,7 +81,9 @@ def format_table(results: dict) -> str:
     grouped = {name: s for name, s in results.get("attacks", {}).items() if "group_accuracy" in s}
     if grouped:
         lines.append("tied groups: " + "; ".join(f"{name} recovers the group at {s['group_accuracy']:.3f} of positions, "
-                                                 f"the exact member at {s['group_member_accuracy']:.3f} of those"
+                                                 f"the exact member at {s['group_member_accuracy']:.3f} of those; "
+                                                 f"{s['tied_member_accuracy']:.3f} of the {s['tied_positions']} positions "
+                                                 "whose token is tied with others"
                                                  for name, s in grouped.items()))
     u = results.get("utility") or {}
     if u:
@@ -147,7 +149,8 @@ def flat_metrics(results: dict) -> dict:
     for name, s in results.get("attacks", {}).items():
         for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position",
                     "exact_match_upper95", "token_accuracy_upper95", "bag_f1", "bag_f1_upper95", "span_recall",
-                    "span_recall_upper95", "n_spans", "group_accuracy", "group_member_accuracy"):
+                    "span_recall_upper95", "n_spans", "group_accuracy", "group_member_accuracy",
+                    "tied_positions", "tied_member_accuracy"):
             if key in s:
                 metrics[f"{name}.{key}"] = s[key]
     for rate, r in (results.get("leakage") or {}).items():

@@ -167,14 +167,16 @@ def test_interrupt_before_the_run_starts_claims_nothing(monkeypatch, tmp_path, c
 
 def test_tying_reports_group_recovery_and_how_often_the_member_is_right(tmp_path):
     """Tied rows give identical states, so SipIt on the tied model lands in the true group at every
-    position; which member it returns is the candidate order's choice (group_member_accuracy)."""
+    position; the served model's prior picks the member (group_member_accuracy)."""
     results = bench.run_benchmark(model="tiny-llama", defense="tying", tie_rare=400, attacks="sipit", n_prompts=3,
                                   length=8, utility_tokens=0, margin_positions=0, track=False, progress=False,
                                   out=tmp_path / "out", log=lambda *a, **k: None)
     sipit = results["attacks"]["sipit"]
     assert sipit["group_accuracy"] == 1.0
     assert sipit["token_accuracy"] == pytest.approx(sipit["group_accuracy"] * sipit["group_member_accuracy"])
-    assert sipit["token_accuracy"] < 1.0  # some positions hold a tied rare token the order did not pick first
+    assert sipit["token_accuracy"] < 1.0  # some positions hold a tied rare token the prior does not pick
+    assert 0 < sipit["tied_positions"] <= 24 and 0 <= sipit["tied_member_accuracy"] < 1.0
+    assert sipit["decoder"].startswith("MemberByPrior")
     assert "group_accuracy" not in bench.run_benchmark(
         model="tiny-llama", defense="none", attacks="sipit", n_prompts=1, length=4, utility_tokens=0,
         margin_positions=0, track=False, progress=False, out=tmp_path / "clean", log=lambda *a, **k: None)["attacks"]["sipit"]

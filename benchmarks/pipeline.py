@@ -46,8 +46,12 @@ class Exposed:
 
     def verifier(self, i: int):
         """The WhiteBox that verifies prompt ``i``'s candidates: ``attacker_wb``, at the served shape
-        of prompt ``i`` when the defence's kernels depend on it (defenses.base.Defense.served_shape_matters)."""
-        return self.attacker_wb.at_served_shape(len(self.prompt_ids[i])) if self.served_shape else self.attacker_wb
+        of prompt ``i`` when the defence's kernels depend on it (defenses.base.Defense.served_shape_matters)
+        and the exposure is exact (under noise or stored-activation quantisation the bf16 gap is far
+        inside what the decoders tolerate, and a served-shape step costs ~n incremental ones)."""
+        if self.served_shape and self.exact[i]:
+            return self.attacker_wb.at_served_shape(len(self.prompt_ids[i]))
+        return self.attacker_wb
 
     def knowledge(self, i: int) -> Exposure:
         """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""

@@ -12,13 +12,15 @@ by-hand replacement with ``compress_statistics=False`` and ``.eval()`` matches `
 ``threshold=0`` turns off LLM.int8's outlier decomposition: with it on, the outlier columns are
 chosen over the whole batch, so a candidate's state would depend on the other candidates in the
 batch (measured up to 0.66 apart on SmolLM2) and batched exact verification would break. With
-``threshold=0`` int8 is batch-independent (tested). 4-bit matmuls on this CPU run a bf16 kernel
-whatever the compute dtype: row-invariant itself, but its bf16 rounding of inputs and outputs
-magnifies the ~1e-7 differences between attention over a cached prefix and over the whole
-prompt, so a cached candidate step misses the served state by up to 0.7% (smollm2 nf4, layer 15).
-4-bit weights therefore set :attr:`served_shape_matters`: the attacker holding them verifies each
-candidate with a forward of the served prompt's shape, which reproduces the served state bit for
-bit (sipit.whitebox.WhiteBox.at_served_shape).
+``threshold=0`` int8 is batch-independent (tested). But every quantised matmul rounds its input
+coarsely: int8 quantises each activation row to 256 levels, the 4-bit matmuls on this CPU run a
+bf16 kernel whatever the compute dtype. Both kernels are row-invariant, yet the rounding magnifies
+the ~1e-7 differences between attention over a cached prefix and over the whole prompt: a cached
+candidate step misses the served state by up to 14% relative with int8 and 1.3% with nf4 (smollm2,
+layers 15 and 30; 0 at layer 1 for int8). Quantised weights therefore set
+:attr:`served_shape_matters`: the attacker holding them verifies each candidate with a forward of
+the served prompt's shape, which reproduces the served state bit for bit
+(sipit.whitebox.WhiteBox.at_served_shape).
 
 Exposed activations (``activations``: ``int8``, ``nf4``, ``fp4`` or ``none``): the layer-l state
 tensor is stored with ``bitsandbytes.functional.quantize_blockwise`` (8-bit dynamic, blocks of
@@ -150,7 +152,7 @@ class Quantization(Defense):
 
     @property
     def served_shape_matters(self) -> bool:  # type: ignore[override]
-        return self.weights in ("nf4", "fp4")
+        return self.weights != "none"
 
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return quantize_activations(states, self.activations, self.blocksize)

@@ -341,7 +341,8 @@ def test_the_pipeline_verifies_4bit_candidates_at_the_served_shape_and_inverts_e
     assert inv.ids == ids and inv.all_verified
     naive = expose(chain, llama, clean_wb, layer, [ids], seed=0, knows_defense=False)
     assert not naive.served_shape and naive.verifier(0) is clean_wb and naive.exact == [False]
-    assert not make_chain("quant", weights="int8").served_shape_matters
+    assert make_chain("quant", weights="int8").served_shape_matters
+    assert not make_chain("quant", weights="none", activations="int8").served_shape_matters
     noisy = expose(make_chain("quant,noise", weights="fp4", sigma=0.1), llama, clean_wb, layer, [ids], seed=0)
     assert noisy.served_shape and noisy.exact == [False] and noisy.verifier(0) is noisy.attacker_wb  # decoders tolerate the gap
 

@@ -55,7 +55,7 @@ def test_quant_recovery_same_4bit_model_is_exact_at_the_served_shape(tmp_path):
                                 "--length", "12", "--policy", "gradient", "--shortlist", "16",
                                 "--margin-positions", "2", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "quant_recovery.json").read_text())
-    assert [(r["kind"], r["layer"], r["served_shape"]) for r in rows] == [("int8", 4, False), ("fp4", 4, True)]
+    assert [(r["kind"], r["layer"], r["served_shape"]) for r in rows] == [("int8", 4, True), ("fp4", 4, True)]
     for row in rows:
         assert row["same"]["exact"] == 2 and row["same"]["token_acc"] == 1.0 and row["same"]["verified"]
         assert 0 <= row["mismatch_fp32"]["token_acc"] <= 1 and row["mismatch_fp32"]["tokens"] == 24

@@ -5,10 +5,10 @@
 Everything goes through the benchmark's own pipeline (benchmarks.pipeline: expose -> the
 registry's strongest attack -> invert), per layer and served weight format:
 
-- ``same``: the attacker holds the served bnb model (``knows_defense``). 4-bit weights are verified
+- ``same``: the attacker holds the served bnb model (``knows_defense``). Quantised weights are verified
   at the served shape (sipit.whitebox.WhiteBox.at_served_shape), so exact SipIt at the default
   eps applies; ``cached_gap`` is the largest relative gap a cached candidate step would have had
-  (sipit.tolerance.measure_gap), i.e. why the ordinary verifier failed on 4-bit weights.
+  (sipit.tolerance.measure_gap), i.e. why the ordinary verifier failed on quantised weights.
 - ``mismatch_fp32``: the attacker holds only the fp32 weights: nearest-neighbour decoding over the
   gradient shortlist (attacks.registry ``nn-gradient``).
 - margins: Delta_t of the served model and of the fp32 model on the same prompts, at position 0 of

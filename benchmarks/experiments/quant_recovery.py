@@ -30,7 +30,7 @@ import torch
 from attacks.registry import AttackOptions
 from benchmarks.cli import arg, check_int, check_names, default_out_dir, run_main
 from benchmarks.experiments.speed import check_layer_spec, named_layers
-from benchmarks.metrics import median
+from benchmarks.metrics import clopper_pearson_upper, median
 from benchmarks.pipeline import attack_for, expose, invert_all, margins_on_subset
 from benchmarks.prompts import load_prompts
 from defenses import make_chain
@@ -131,19 +131,25 @@ def recovery_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rate(row: dict) -> str:
+    """``acc (<= upper95, n tokens; exact prompts)``: token accuracy with its 95% Clopper-Pearson upper bound."""
+    hits = round(row["token_acc"] * row["tokens"])
+    upper = clopper_pearson_upper(hits, row["tokens"])
+    return f"{row['token_acc']:.3f} (<= {upper:.3f}, n={row['tokens']}; {row['exact']}/{row['prompts']} exact)"
+
+
 def markdown(rows: list[dict]) -> str:
     """One line per (layer, format): both attackers, the cached gap, and the margin ratio."""
-    lines = ["| layer | weights | same-model SipIt: token acc. (exact prompts) | explored | s / prompt "
-             "| cached-step gap | fp32 attacker: token acc. | leak vs fp32 | median Delta quant / fp32 (n) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| layer | weights | same-model SipIt: token acc. | explored / position | s / prompt "
+             "| cached-step gap | fp32 attacker: token acc. | s / prompt | leak vs fp32 | median Delta quant / fp32 (n) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, m = r["same"], r["mismatch_fp32"]
         q, f = r["margins_quant"]["deltas"], r["margins_fp32"]["deltas"]
         common = [k for k in q if k in f]
         ratio = median(q[k] / f[k] for k in common) if common else float("nan")
-        lines.append(f"| {r['layer']} | {r['kind']} | {s['token_acc']:.3f} ({s['exact']}/{s['prompts']}) "
-                     f"| {100 * s['explored']:.3f}% | {s['seconds_per_prompt']} | {r['cached_gap']:.1e} "
-                     f"| {m['token_acc']:.3f} ({m['exact']}/{m['prompts']}) | {r['leak_vs_fp32_rel']:.3f} "
+        lines.append(f"| {r['layer']} | {r['kind']} | {_rate(s)} | {100 * s['explored']:.4f}% | {s['seconds_per_prompt']} "
+                     f"| {r['cached_gap']:.1e} | {_rate(m)} | {m['seconds_per_prompt']} | {r['leak_vs_fp32_rel']:.3f} "
                      f"| {ratio:.3f} ({len(common)}) |")
     return "\n".join(lines) + "\n"
 

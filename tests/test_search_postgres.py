@@ -226,13 +226,20 @@ def test_database_stopped_and_restarted_mid_study(postgres, searches, tmp_path):
 
 
 def test_tracking_server_down_during_a_trial_is_logged_when_back(postgres, mlflow_server, searches, tmp_path):
-    n = 3
+    n = 6
     storage = postgres.create_database("optuna_mlflow_down")
     s = searches(tmp_path, storage, mlflow_server.uri, "mlflow-down", n)
     run_search(storage, "mlflow-down", n, create_only=True, tracking_uri=mlflow_server.uri, **QUIET, **TIMING, **FAST)
     worker = s.start("--attach", "--out", str(tmp_path / "out"))
     wait_until(lambda: any(t.state == TrialState.COMPLETE for t in s.trials()), 150, "a first complete trial")
-    mlflow_server.stop()
+    # Trials last about a second: freeze the worker while MLflow goes down, so that trials are left
+    # to be measured after it (otherwise a fast worker can finish them all before the server stops).
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        assert sum(t.state == TrialState.COMPLETE for t in s.trials()) < n
+        mlflow_server.stop()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
     # the measurement counts (COMPLETE); only its MLflow copy waits
     done = wait_until(lambda: next((t for t in s.trials() if t.user_attrs.get("mlflow_pending")
                                     and t.state == TrialState.COMPLETE), None), 120, "a trial measured while MLflow is down")

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attacks.registry import AttackOptions, Exposure, build
+from defenses.base import chain_members, find_member
 
 
 @dataclass
@@ -55,9 +56,8 @@ class Exposed:
 
     def knowledge(self, i: int) -> Exposure:
         """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""
-        members = list(getattr(self.chain, "members", [self.chain]))
-        pooling = None if self.chain.per_position else members[-1]
-        tying = next((m for m in members if hasattr(m, "group_members")), None)
+        pooling = None if self.chain.per_position else chain_members(self.chain)[-1]
+        tying = find_member(self.chain, "tying")
         groups = tying.groups() if tying is not None and self.exact[i] else None  # exact: it holds the tied model
         return Exposure(sigma=self.sigmas[i], exact=self.exact[i], pooling=pooling, groups=groups)
 
@@ -85,7 +85,7 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
         else:
             norms.append([None] * len(ids))
             exact.append(False)
-    served_shape = knows_defense and chain.served_shape_matters and attacker.model is served.model
+    served_shape = chain.served_shape_matters and attacker.model is served.model  # it holds the served weights
     return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, served_shape)
 
 
@@ -110,7 +110,7 @@ def exposure_fn(defense) -> Callable[[torch.Tensor, torch.Generator], torch.Tens
     """States -> what the attacker sees, for training the adaptive head on corpus states.
 
     Noise placed inside the model is added directly (its layer-l states are the noisy ones)."""
-    members = list(getattr(defense, "members", [defense]))
+    members = chain_members(defense)
 
     def apply(states: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         for member in members:

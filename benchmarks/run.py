@@ -389,7 +389,9 @@ def group_recovery(chain, truths: list[list[int]], inversions: list) -> dict:
     real tie). {} without tying."""
     import torch
 
-    tying = next((m for m in getattr(chain, "members", [chain]) if m.name == "tying"), None)
+    from defenses.base import find_member
+
+    tying = find_member(chain, "tying")
     if tying is None:
         return {}
     groups = tying.groups()

@@ -110,6 +110,16 @@ def copy_loaded(loaded: LoadedModel, suffix: str) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, name=f"{loaded.name}+{suffix}")
 
 
+def chain_members(defense: Defense) -> list[Defense]:
+    """The defences ``defense`` applies, in order: a chain's members, or the defence itself."""
+    return list(getattr(defense, "members", [defense]))
+
+
+def find_member(defense: Defense, name: str) -> Defense | None:
+    """The first defence named ``name`` among :func:`chain_members` (None if there is none)."""
+    return next((m for m in chain_members(defense) if m.name == name), None)
+
+
 def require_per_position(defense: Defense, attack_name: str = "this attack") -> None:
     """Raise :class:`PooledExposureError` when ``defense`` exposes pooled (non ``(T, d)``) states.
 

@@ -10,6 +10,7 @@ from torch import nn
 from attacks.policies import GradientPolicy
 from attacks.sipit import SipIt
 from defenses import Chain, PooledExposureError, make_chain, make_defense, require_per_position
+from defenses.base import find_member
 from attacks.pooled import PooledBeamAttack
 from defenses.utility import held_out_ids, utility_cost
 from sipit.models import load_model
@@ -355,7 +356,7 @@ def test_the_tied_attacker_recovers_the_group_and_the_prior_picks_the_member(lla
 
     chain = make_chain("tying", rare=400)
     served = chain.serve(llama, 3)
-    groups = next(m for m in getattr(chain, "members", [chain]) if m.name == "tying").groups()
+    groups = find_member(chain, "tying").groups()
     tied_groups = [g for g in groups.unique().tolist() if int((groups == g).sum()) > 1]
     # A prompt the prior decides: each position's true token is the prior's pick within its tied group.
     prior, ids = NextTokenPrior(served.model), []

@@ -32,7 +32,7 @@ from benchmarks.cli import arg, check_int, check_names, default_out_dir, run_mai
 from benchmarks.experiments.speed import check_layer_spec, named_layers
 from benchmarks.metrics import clopper_pearson_upper, median
 from benchmarks.pipeline import attack_for, expose, invert_all, margins_on_subset
-from benchmarks.prompts import load_prompts
+from benchmarks.prompts import named_prompt_set
 from defenses import make_chain
 from defenses.quant import WEIGHT_KINDS
 from sipit.models import DEFAULT_MODEL, load_model
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of served weight formats")
     parser.add_argument("--n-prompts", type=count, default=10)
     parser.add_argument("--length", type=count, default=20, help="tokens per prompt")
-    parser.add_argument("--prompts", default="natural", help="prompt set (benchmarks.prompts): natural, mixed, random")
+    parser.add_argument("--prompts", default="natural",
+                        help="prompt set (benchmarks.prompts.named_prompt_set): natural, mixed, random or a text file")
     parser.add_argument("--policy", default="learned", choices=("learned", "gradient"),
                         help="exact SipIt's candidate order")
     parser.add_argument("--shortlist", type=count, default=256, help="the fp32 attacker's prior and gradient shortlists")
@@ -97,13 +98,14 @@ def recovery_command(args: argparse.Namespace) -> int:
     clean = load_model(args.model)
     clean_wb = WhiteBox(clean.model)
     layers = named_layers(args.layers, clean_wb)
-    prompt_ids = load_prompts(clean.tokenizer, args.n_prompts, length=args.length, seed=args.seed,
-                              natural_fraction={"natural": 1.0, "mixed": 0.9, "random": 0.0}[args.prompts])
+    prompt_ids = [p.ids for p in named_prompt_set(args.prompts, clean.tokenizer, args.n_prompts,
+                                                  length=args.length, seed=args.seed)]
     options = AttackOptions(policy=args.policy, seed=args.seed,
                             shortlist={"k_prior": args.shortlist, "k_grad": args.shortlist})
     rows = []
     for layer in layers:
         fp32_margins = None
+        fp32_states = [clean_wb.states(ids, layer) for ids in prompt_ids]
         for kind in args.kinds:
             chain = make_chain("quant", weights=kind)
             adaptive = expose(chain, clean, clean_wb, layer, prompt_ids, seed=args.seed)
@@ -118,8 +120,7 @@ def recovery_command(args: argparse.Namespace) -> int:
                 "same": _attack(adaptive, options, clean.tokenizer),
                 "mismatch_fp32": _attack(naive, options, clean.tokenizer),
                 "leak_vs_fp32_rel": round(max(float((a - b).norm(dim=-1).div(b.norm(dim=-1)).max())
-                                              for a, b in zip(adaptive.states,
-                                                              (clean_wb.states(ids, layer) for ids in prompt_ids))), 4),
+                                              for a, b in zip(adaptive.states, fp32_states)), 4),
                 "margins_quant": quant_margins, "margins_fp32": fp32_margins,
             })
             print(json.dumps(rows[-1]), flush=True)

@@ -21,20 +21,8 @@ from dataclasses import replace
 import torch
 
 from attacks.result import Inversion
+from sipit.prior import sequence_logprobs
 from sipit.whitebox import WhiteBox
-
-
-@torch.no_grad()
-def prior_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """``(T, V)``: row t = log P(. | BOS, s_1..s_{t-1}) of the full model (row 0 = NaN without a BOS id)."""
-    bos = getattr(model.config, "bos_token_id", None)
-    device = model.get_input_embeddings().weight.device
-    context = ([bos] if isinstance(bos, int) else []) + list(ids[:-1])
-    logits = model(input_ids=torch.tensor([context], device=device)).logits[0].float()
-    out = torch.log_softmax(logits, dim=-1)
-    if not isinstance(bos, int):
-        out = torch.cat([torch.full_like(out[:1], float("nan")), out])
-    return out[: len(ids)]
 
 
 class MemberByPrior:
@@ -56,7 +44,7 @@ class MemberByPrior:
                length: int | None = None) -> Inversion:
         inversion = self.inner.invert(observed, whitebox, layer, tokenizer, length)
         started = time.perf_counter()
-        logprobs = prior_logprobs(whitebox.model, inversion.ids)
+        logprobs = sequence_logprobs(whitebox.model, inversion.ids)
         ids = list(inversion.ids)
         for t, token in enumerate(ids):
             group = self.members(token)

@@ -14,6 +14,28 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+def resolve_start_token(model: PreTrainedModel, start_token: int | None = None) -> int | None:
+    """The token that conditions the first guess: ``start_token``, else the config's BOS id; None
+    when neither is a token of the model's vocabulary."""
+    if start_token is None:
+        start_token = getattr(model.config, "bos_token_id", None)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return start_token if isinstance(start_token, int) and 0 <= start_token < vocab else None
+
+
+@torch.no_grad()
+def sequence_logprobs(model: PreTrainedModel, ids: list[int], start_token: int | None = None) -> torch.Tensor:
+    """``(T, V)``: row t = log P(. | start, s_1..s_{t-1}) for a known sequence, in one forward pass
+    (what :class:`NextTokenPrior` streams); row 0 is NaN when there is no start token."""
+    start = resolve_start_token(model, start_token)
+    device = model.get_input_embeddings().weight.device
+    context = ([start] if start is not None else []) + list(ids[:-1])
+    out = torch.log_softmax(model(input_ids=torch.tensor([context], device=device)).logits[0].float(), dim=-1)
+    if start is None:
+        out = torch.cat([torch.full_like(out[:1], float("nan")), out])
+    return out[: len(ids)]
+
+
 class NextTokenPrior:
     """log P(. | prefix) for a prefix that grows one token at a time."""
 
@@ -25,9 +47,8 @@ class NextTokenPrior:
         self.length = 0
         self._pending: list[int] = []
         self._logprobs: torch.Tensor | None = None
-        if start_token is None:
-            start_token = getattr(model.config, "bos_token_id", None)
-        if isinstance(start_token, int) and 0 <= start_token < model.get_input_embeddings().weight.shape[0]:
+        start_token = resolve_start_token(model, start_token)
+        if start_token is not None:
             self.push(start_token)
 
     @property

@@ -60,6 +60,7 @@ from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsa
 from benchmarks.search_processes import run_worker_processes, worker_process
 from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
+from attacks.policies import POLICIES
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
 from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
@@ -87,6 +88,8 @@ def run_search(
     utility_tokens: int = 128,
     utility_use: str = "continued",
     bound: str = "upper95",
+    policy: str = "learned",
+    startup_trials: int = 8,
     attacks: list[str] | str = "sipit",
     budget: AttackBudget | dict | None = None,
     sigma_low: float = 0.01,
@@ -119,7 +122,8 @@ def run_search(
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
-                         tying_method=tying_method, experiment=experiment, bound=bound)
+                         tying_method=tying_method, experiment=experiment, bound=bound,
+                         policy=policy, startup_trials=startup_trials)
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
@@ -269,7 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "served model's perplexity (exposure-only defences cost nothing), embedding_store = recall@1 "
                         "lost by defended sentence vectors against a clean store, probing = accuracy lost by linear "
                         "probes trained on clean states (defenses.uses; a use a defence cannot serve: +inf)")
+    s.add_argument("--startup-trials", type=int, default=8,
+                   help="constrained mode: trials drawn at random before TPE (an unbiased sample for the per-use "
+                        "Pareto fronts; TPE then refines --utility-use)")
     s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
+    s.add_argument("--policy", default="learned", choices=sorted(POLICIES),
+                   help="candidate order of exact SipIt and of the radius decoder (attacks.policies; learned = "
+                        "the inverse heads with the prior, trained once per model and layer)")
     s.add_argument("--budget", type=_json_object, default=None,
                    help=f"attack budget JSON, default {AttackBudget().to_dict()}")
     s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")

@@ -1,7 +1,8 @@
 """The search's report: per defence group, the cheapest setting whose recovery stays <= threshold.
 
-:func:`write_report` writes ``report.json``, ``report.md``, ``trials.csv`` and ``pareto.png``
-(utility loss vs recovery, with the Pareto front) into the output folder, and logs them, the table
+:func:`write_report` writes ``report.json``, ``report.md``, ``trials.csv``, ``pareto.png``
+(the study's utility loss vs recovery, with the Pareto front) and ``pareto_uses.png`` (one panel per
+use of the states, each trial priced for that use: :func:`per_use`) into the output folder, and logs them, the table
 ``search_best_and_pareto.json`` and summary metrics on the study's MLflow parent run.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from benchmarks.metrics import clopper_pearson_upper
 from benchmarks.search_runs import PARENT_ATTR, study_runs
+from benchmarks.search_space import UTILITY_USES
 from benchmarks.search_study import tokens_needed, trial_counts
 
 #: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
@@ -45,12 +47,32 @@ def _row(trial, threshold: float, bound: str) -> dict:
     u = trial.user_attrs
     constrained = u["recovery_upper95"] if bound == "upper95" else u["recovery"]
     return {"trial": trial.number, "group": u["group"], "family": u["family"], "params": trial.params,
-            "utility_loss": u["utility_loss"], "ppl_rel_increase": u["ppl_rel_increase"],
+            "utility_loss": u["utility_loss"], "utility_losses": u.get("utility_losses", {}), "ppl_rel_increase": u["ppl_rel_increase"],
             "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
             "recovery": u["recovery"], "recovery_upper95": u.get("recovery_upper95"), "constrained": constrained,
             "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
             "feasible": constrained <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
             "reused_from": u.get("reused_from")}
+
+
+def per_use(rows: list[dict], config: dict) -> dict:
+    """For each use a trial priced (``utility_losses``; trials made before every use was priced carry
+    only the study's own): the Pareto front of (that use's loss, constrained recovery) over the trials
+    the use can serve (finite loss), and the cheapest feasible one. The leakage is the trial's,
+    whatever the use: one study answers every use."""
+    own = config.get("utility_use", "served")
+    out = {}
+    for use in UTILITY_USES:
+        priced = [dict(r, utility_loss=r["utility_losses"][use]) if use in r["utility_losses"]
+                  else dict(r) if use == own else None for r in rows]
+        priced = [r for r in priced if r is not None and math.isfinite(r["utility_loss"])]
+        if not priced and use != own:
+            continue
+        front = set(_pareto([(r["utility_loss"], r["constrained"], r["trial"]) for r in priced]))
+        ok = sorted((r for r in priced if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+        out[use] = {"n_trials": len(priced), "n_feasible": len(ok), "best": ok[0] if ok else None,
+                    "pareto_front": sorted((r for r in priced if r["trial"] in front), key=lambda r: r["utility_loss"])}
+    return out
 
 
 def claim_note(config: dict, threshold: float) -> str | None:
@@ -90,6 +112,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
         "bound": config.get("bound", "point"), "claim_note": claim_note(config, threshold),
         "best": feasible[0] if feasible else None, "groups": groups,
         "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
+        "uses": per_use(rows, config),
         "question": {"ppl_limit": ppl_limit, "reached": bool(answer), "cheapest": answer[0] if answer else None},
         "trials": sorted(rows, key=lambda r: r["trial"]),
         "mlflow_parent_run_id": study.user_attrs.get(PARENT_ATTR),
@@ -151,7 +174,29 @@ def format_report(report: dict) -> str:
     lines.append("Pareto front (utility loss vs recovery): " + "; ".join(
         f"#{r['trial']} {r['group']} {short} {100 * r['utility_loss']:+.2f}% rec {r['recovery']:.3f}"
         for r in report["pareto_front"]))
+    if report.get("uses"):
+        lines += ["", *format_uses(report)]
     return "\n".join(lines)
+
+
+def format_uses(report: dict) -> list[str]:
+    """The per-use table: for each use, the cheapest setting whose recovery stays under the threshold
+    (among the trials the use can serve) and that use's Pareto front."""
+    lines = ["## Per use of the states (same trials, each priced for the use)", "",
+             "| use | utility loss | trials it can serve (feasible) | cheapest setting with recovery <= threshold | "
+             "trial | loss | recovery (95% upper) | Pareto front (trial: loss, recovery) |", "|---|---|---|---|---|---|---|---|"]
+    for use, u in report["uses"].items():
+        long = LOSS_NAMES[use][0]
+        front = "; ".join(f"#{r['trial']} {r['group']}: {100 * r['utility_loss']:+.2f}%, {r['recovery']:.3f}"
+                          for r in u["pareto_front"])
+        b = u["best"]
+        if b is None:
+            lines.append(f"| {use} | {long} | {u['n_trials']} (0) | none found | | | | {front} |")
+            continue
+        upper = "" if b.get("recovery_upper95") is None else f" ({b['recovery_upper95']:.3f})"
+        lines.append(f"| {use} | {long} | {u['n_trials']} ({u['n_feasible']}) | {b['group']}: {_fmt_params(b['params'])} | "
+                     f"{b['trial']} | {100 * b['utility_loss']:+.2f}% | {b['recovery']:.3f}{upper} | {front} |")
+    return lines
 
 
 def plot_report(report: dict, path: Path) -> Path:
@@ -180,6 +225,46 @@ def plot_report(report: dict, path: Path) -> Path:
     return path
 
 
+def plot_uses(report: dict, path: Path) -> Path:
+    """One panel per use: recovery vs that use's loss of every trial it can serve, with its Pareto front."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    uses = list(report["uses"])
+    cols = min(2, len(uses))
+    rows_n = math.ceil(len(uses) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4 * rows_n), squeeze=False)
+    groups = sorted({r["group"] for r in report["trials"]})
+    colours = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    for ax, use in zip(axes.flat, uses):
+        u = report["uses"][use]
+        by_trial = {r["trial"]: r for r in u["pareto_front"]}
+        for group in groups:
+            pts = [(r["utility_losses"].get(use, r["utility_loss"] if use == report["config"].get("utility_use") else None),
+                    r["recovery"]) for r in report["trials"] if r["group"] == group]
+            pts = [(x, y) for x, y in pts if x is not None and math.isfinite(x)]
+            if pts:
+                ax.scatter([100 * x for x, _ in pts], [y for _, y in pts], s=18, color=colours[group], label=group)
+        front = sorted(by_trial.values(), key=lambda r: r["utility_loss"])
+        ax.plot([100 * r["utility_loss"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
+        ax.axhline(report["threshold"], color="red", lw=0.8)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel(f"{LOSS_NAMES[use][0]} (%)")
+        ax.set_ylabel("recovery (strongest attack)")
+        ax.set_title(f"{use}: {USE_NAMES[use]}", fontsize=8)
+    for ax in list(axes.flat)[len(uses):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    c = report["config"]
+    fig.suptitle(f"{c['model']} layer {c['layer']}, {report['study']}: one Pareto front per use (threshold in red)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log=print) -> dict:
     """Build the report, write its files into ``out`` and log them on the MLflow parent run (then FINISHED)."""
     report = build_report(study)
@@ -194,6 +279,7 @@ def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log
     paths = [out / "report.json", out / "report.md", out / "trials.csv"]
     if report["trials"]:
         paths.append(plot_report(report, out / "pareto.png"))
+        paths.append(plot_uses(report, out / "pareto_uses.png"))
     runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
     if runs is not None:
         runs.relog_pending(study)  # trials whose MLflow logging failed while the server was down
@@ -221,5 +307,10 @@ def _log_on_parent(tracker, parent: str, report: dict, paths: list[Path]) -> Non
     if report["best"]:
         metrics.update(best_utility_loss=report["best"]["utility_loss"], best_recovery=report["best"]["recovery"],
                        best_trial=report["best"]["trial"])
+    for use, u in report.get("uses", {}).items():
+        metrics[f"use.{use}.n_feasible"] = u["n_feasible"]
+        if u["best"]:
+            metrics.update({f"use.{use}.best_utility_loss": u["best"]["utility_loss"],
+                            f"use.{use}.best_recovery": u["best"]["recovery"], f"use.{use}.best_trial": u["best"]["trial"]})
     tracker.log_metrics(parent, metrics)
     tracker.finish(parent)

@@ -18,6 +18,7 @@ The study names its parent run in the user attribute ``mlflow_parent_run_id`` (`
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -47,6 +48,9 @@ def trial_metrics(user_attrs: dict) -> dict:
     """The MLflow metrics of a measured trial, from its Optuna user attributes (so a re-log matches)."""
     metrics = {k: user_attrs[k] for k in METRIC_KEYS if user_attrs.get(k) is not None}
     metrics.update({f"{a}.token_accuracy": v["token_accuracy"] for a, v in user_attrs.get("attacks", {}).items()})
+    # each use's loss (a use the setting cannot serve costs +inf: no metric, as for the study's own use)
+    metrics.update({f"utility.{use}.loss": loss for use, loss in user_attrs.get("utility_losses", {}).items()
+                    if math.isfinite(loss)})
     if "constraint.recovery" in user_attrs:
         metrics["constraint.recovery"] = user_attrs["constraint.recovery"]
         metrics["feasible"] = float(user_attrs["constraint.recovery"] <= 0)

@@ -17,7 +17,9 @@ reuses its members' distributions):
   ``pooling.k`` in [2, prompt length].
 - ``quant+noise``: a chain, quant first (``quant.mode``, ``noise.sigma``, ``noise.placement``).
 
-A trial's utility loss (:func:`utility_loss`) prices one use of the states (``utility_use``):
+A trial's utility loss (:func:`utility_loss`) prices one use of the states (``utility_use``, the one the
+study minimises; every trial records the loss of each of ``UTILITY_USES`` in ``utility_losses``, so
+the report draws a Pareto front per use from one study, the leakage being the same whatever the use):
 ``continued`` (the default), the perplexity increase of inference continued from the exposed
 states (defenses.utility), under which exposure-only defences cost what their in-model twins cost
 and a pooled exposure, which cannot be continued, costs +inf; or ``served``, the served model's
@@ -47,6 +49,8 @@ from attacks.registry import describe
 FAMILIES = ("noise", "quant", "tying", "pooling", "quant+noise")
 QUANT_MODES = ("int8", "nf4", "fp4", "act-int8", "act-nf4", "act-fp4", "nf4+act-nf4")
 SEARCH_ATTACKS = ("sipit", "softmax-head")
+#: the uses a trial prices (every trial prices all of them; a study minimises one, ``utility_use``)
+UTILITY_USES = ("continued", "served", "embedding_store", "probing")
 
 
 @dataclass
@@ -57,6 +61,7 @@ class AttackBudget:
     k_grad: int = 16  # ... plus this many gradient-ranked tokens
     pooled_beam: int = 4
     pooled_topk: int = 64
+    radius_cap: int = 256  # the radius decoder's candidates per position at most (0: the vocabulary)
     head_tokens: int = 1024
     head_epochs: int = 8
 
@@ -66,11 +71,13 @@ class AttackBudget:
 
         return {"k_prior": self.k_prior, "k_grad": self.k_grad, **GRADIENT_SHORTLIST}
 
-    def options(self, *, robust: str, seed: int):
-        """attacks.registry.AttackOptions within this budget (the shortlist decoders and the pooled beam)."""
+    def options(self, *, robust: str, seed: int, policy: str = "gradient"):
+        """attacks.registry.AttackOptions within this budget (the shortlist decoders, the radius stop's cap
+        and the pooled beam); ``policy`` orders exact SipIt's and the radius decoder's candidates."""
         from attacks.registry import AttackOptions
 
-        return AttackOptions(robust=robust, seed=seed, shortlist=self.shortlist(), pooled_beam=self.pooled_beam,
+        return AttackOptions(robust=robust, seed=seed, policy=policy, shortlist=self.shortlist(),
+                             max_candidates=self.radius_cap or None, pooled_beam=self.pooled_beam,
                              pooled_topk=self.pooled_topk)
 
     def to_dict(self) -> dict:
@@ -122,13 +129,14 @@ class TrialContext:
     """What every trial of one worker shares: model, layer, prompts, seeds, budgets."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
-                 attacks: list[str], budget: AttackBudget, robust: str = "radius", utility_use: str = "served"):
+                 attacks: list[str], budget: AttackBudget, robust: str = "radius", utility_use: str = "served",
+                 policy: str = "gradient"):
         from sipit.whitebox import WhiteBox
 
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids
         self.clean_wb = WhiteBox(loaded.model)
         self.seed, self.utility_tokens, self.attacks, self.budget, self.robust = seed, utility_tokens, attacks, budget, robust
-        self.utility_use = utility_use
+        self.utility_use, self.policy = utility_use, policy
 
     def chain(self, names: list[str], params: dict):
         """The defence (its quantised / tied served copy is held by ``loaded`` and shared between trials
@@ -152,13 +160,6 @@ def utility_loss(util, use: str) -> float:
     return math.inf if loss is None else float(loss)
 
 
-def measured_uses(use: str) -> tuple[str, ...]:
-    """The uses of defenses.uses a trial must measure to price ``use`` (served / continued need none)."""
-    from defenses.uses import USES
-
-    return (use,) if use in USES else ()
-
-
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     """Utility cost and per-attack recovery of one defence setting (the trial's measurement)."""
     from benchmarks.metrics import summarise
@@ -168,11 +169,11 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     started = time.perf_counter()
     chain = ctx.chain(names, params)
     loaded, layer = ctx.loaded, ctx.layer
-    util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed, uses=measured_uses(ctx.utility_use))
+    util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed)  # every use of defenses.uses
     exposed = expose(chain, loaded, ctx.clean_wb, layer, ctx.prompt_ids, seed=ctx.seed + 1)
     attacks: dict[str, dict] = {}
     if "sipit" in ctx.attacks:
-        options = ctx.budget.options(robust=ctx.robust, seed=ctx.seed)
+        options = ctx.budget.options(robust=ctx.robust, seed=ctx.seed, policy=ctx.policy)
         chosen = [attack_for(exposed, i, "sipit", options) for i in range(len(ctx.prompt_ids))]
         inversions = invert_all(exposed, chosen.__getitem__, loaded.tokenizer)
         attacks["sipit"] = {"decoder": describe(chosen[-1]), **summarise("sipit", ctx.prompt_ids, inversions).to_dict()}
@@ -190,7 +191,8 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         "continued_ppl_rel_increase": util.continued_ppl_rel_increase,
         "ppl_rel_increase": float(util.ppl_rel_increase), "ppl_clean": util.ppl_clean, "ppl_served": util.ppl_served,
         "top1_agreement": {"served": util.top1_agreement, "continued": util.continued_top1_agreement}.get(ctx.utility_use),
-        "use_metrics": util.uses[ctx.utility_use]["metrics"] if measured_uses(ctx.utility_use) else None,
+        "use_metrics": util.uses[ctx.utility_use]["metrics"],
+        "utility_losses": {use: utility_loss(util, use) for use in UTILITY_USES},
         "state_rel_l2": util.state_rel_l2,
         "recovery": float(recovery), "recovery_upper95": float(recovery_upper95),
         "n_tokens": sum(len(ids) for ids in ctx.prompt_ids), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),

@@ -12,18 +12,19 @@ import math
 
 from benchmarks.search_errors import SearchUsageError
 from benchmarks.search_runs import PARENT_ATTR
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, UTILITY_USES, AttackBudget
 
 MODES = ("constrained", "pareto")
-#: what a trial's utility loss prices (benchmarks.search_space.evaluate): the served model's perplexity, or that of
-#: inference continued from the exposed states (defenses.utility), under which exposure-only defences cost too
-UTILITY_USES = ("continued", "served", "embedding_store", "probing")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment", "bound")
+               "experiment", "bound", "policy", "startup_trials")
 #: what the threshold constrains: the one-sided 95% Clopper-Pearson upper bound of the strongest attack's
 #: token accuracy (a claim the trial's tokens can make), or its point estimate (studies made before)
 BOUNDS = ("upper95", "point")
+
+
+#: budget keys whose 0 means "no cap" (the others are >= 1)
+MAY_BE_ZERO = {"radius_cap": 0}
 
 
 def check_budget(budget) -> dict:
@@ -38,15 +39,15 @@ def check_budget(budget) -> dict:
     unknown = sorted(set(budget) - set(defaults))
     if unknown:
         raise SearchUsageError(f"--budget: unknown key(s) {unknown}: choose from {', '.join(defaults)}")
-    bad = {k: v for k, v in budget.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    bad = {k: v for k, v in budget.items() if isinstance(v, bool) or not isinstance(v, int) or v < MAY_BE_ZERO.get(k, 1)}
     if bad:
-        raise SearchUsageError(f"--budget values are integers >= 1, got {bad}")
+        raise SearchUsageError(f"--budget values are integers >= 1 (radius_cap >= 0: the vocabulary), got {bad}")
     return {**defaults, **budget}
 
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
-                bound="upper95") -> dict:
+                bound="upper95", policy="learned", startup_trials=8) -> dict:
     """Validated search configuration (everything that must agree between workers)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
@@ -68,20 +69,25 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
         raise SearchUsageError(f"unknown or no attack {bad or attacks}: choose from {', '.join(SEARCH_ATTACKS)}")
     if not 0 < sigma_low < sigma_high or not math.isfinite(sigma_high):
         raise SearchUsageError(f"need 0 < --sigma-low < --sigma-high, got {sigma_low}, {sigma_high}")
-    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 2), (utility_tokens, "--utility-tokens", 16)):
+    for value, flag, low in ((n_prompts, "--n-prompts", 1), (length, "--length", 2), (utility_tokens, "--utility-tokens", 16),
+                             (startup_trials, "--startup-trials", 1)):
         if value < low:
             raise SearchUsageError(f"{flag} must be >= {low}, got {value}")
     if tying_method not in ("rare", "kmeans"):
         raise SearchUsageError(f"--tying-method must be rare or kmeans, got {tying_method!r}")
     if utility_use not in UTILITY_USES:
         raise SearchUsageError(f"--utility-use must be one of {', '.join(UTILITY_USES)}, got {utility_use!r}")
+    from attacks.policies import POLICIES
+
+    if policy not in POLICIES:
+        raise SearchUsageError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {policy!r}")
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
                 sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
-                bound=bound)
+                bound=bound, policy=policy, startup_trials=int(startup_trials))
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):
@@ -96,7 +102,9 @@ def make_sampler(config: dict, worker: int, attach_count: int = 0):
     seed = int(np.random.SeedSequence([config["seed"], worker, attach_count]).generate_state(1)[0])
     if config["mode"] == "pareto":
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
+    # the first ``startup_trials`` trials of the study are drawn at random: an unbiased sample that prices every
+    # use (the per-use fronts of search_report.per_use), before TPE refines the study's own use
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=config.get("startup_trials", 8))
 
 
 def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
@@ -125,8 +133,11 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
 def check_same_config(stored: dict, given: dict) -> None:
     """SearchUsageError naming every key on which the stored and the given configuration differ."""
     # studies stored before budgets were filled, before the utility use was chosen (they priced the served model),
-    # or before the bound (they constrained the point estimate)
-    stored = {"utility_use": "served", "bound": "point", **stored, "budget": check_budget(stored.get("budget"))}
+    # before the bound (they constrained the point estimate), before the policy (gradient order) or before the
+    # radius decoder's cap (the vocabulary)
+    budget = {"radius_cap": 0, **stored["budget"]} if stored.get("budget") else None
+    stored = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, **stored,
+              "budget": check_budget(budget)}
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "

@@ -28,7 +28,7 @@ def trial_context(config: dict):
                                                   length=config["length"], seed=config["seed"]) if p.ids]
     return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
-                        utility_use=config.get("utility_use", "served"))
+                        utility_use=config.get("utility_use", "served"), policy=config.get("policy", "gradient"))
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):
@@ -93,7 +93,8 @@ def constrained_recovery(m: dict, config: dict) -> float:
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
     for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-                "n_tokens", "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics"):
+                "n_tokens", "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics",
+                "utility_losses"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
@@ -116,7 +117,7 @@ def _reuse(study, trial) -> dict | None:
             attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
                                               "recovery", "recovery_upper95", "n_tokens", "strongest_attack",
-                                              "sigma_abs_median", "use_metrics")},
+                                              "sigma_abs_median", "use_metrics", "utility_losses")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}
     return None

@@ -62,8 +62,11 @@ def test_two_workers_record_every_trial_once_with_nested_mlflow_runs(two_worker_
         assert run.info.status == "FINISHED"
         assert math.isclose(run.data.metrics["recovery"], t.user_attrs["recovery"])
         assert math.isclose(run.data.metrics["constraint.recovery"], t.user_attrs["constraint.recovery"])
+        for use, loss in t.user_attrs["utility_losses"].items():  # every use priced, finite ones logged
+            assert math.isclose(run.data.metrics[f"utility.{use}.loss"], loss) if math.isfinite(loss) else \
+                f"utility.{use}.loss" not in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(parent_id)}
-    assert {"report.json", "report.md", "pareto.png", "search_best_and_pareto.json"} <= artifacts
+    assert {"report.json", "report.md", "pareto.png", "pareto_uses.png", "search_best_and_pareto.json"} <= artifacts
 
 
 def test_constraint_respected_by_reported_best(two_worker_study):
@@ -144,6 +147,21 @@ def test_pareto_mode_front_is_non_dominated(tmp_path):
         assert not any(o["utility_loss"] <= r["utility_loss"] and o["recovery"] <= r["recovery"]
                        and (o["utility_loss"], o["recovery"]) != (r["utility_loss"], r["recovery"])
                        for o in report["trials"])
+    # one front per use from the same trials: each non-dominated under that use's loss, the study's own
+    # use giving the study's front
+    assert set(report["uses"]) == {"continued", "served", "embedding_store", "probing"}
+    for use, u in report["uses"].items():
+        points = [(t["utility_losses"][use], t["constrained"]) for t in report["trials"]
+                  if math.isfinite(t["utility_losses"][use])]
+        assert u["n_trials"] == len(points) and u["pareto_front"]
+        for r in u["pareto_front"]:
+            assert r["utility_loss"] == r["utility_losses"][use]
+            assert not any(x <= r["utility_loss"] and y <= r["constrained"] and (x, y) != (r["utility_loss"], r["constrained"])
+                           for x, y in points)
+    assert [r["trial"] for r in report["uses"]["continued"]["pareto_front"]] == [r["trial"] for r in front]
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Per use of the states" in text and all(f"| {use} |" in text for use in report["uses"])
+    assert (tmp_path / "out" / "pareto_uses.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("change, message", [
@@ -156,6 +174,9 @@ def test_pareto_mode_front_is_non_dominated(tmp_path):
     (dict(sigma_low=1.0, sigma_high=0.5), "--sigma-low"),
     (dict(budget={"bogus": 1}), "--budget: unknown key"),
     (dict(budget={"k_prior": 0}), "--budget values are integers >= 1"),
+    (dict(budget={"radius_cap": -1}), "radius_cap >= 0"),
+    (dict(policy="oracle"), "--policy must be one of"),
+    (dict(startup_trials=0), "--startup-trials must be >= 1"),
     (dict(workers=0), "--workers must be an int >= 1"),
 ])
 def test_bad_inputs_give_clear_errors(tmp_path, change, message):
@@ -321,15 +342,21 @@ def test_the_utility_use_prices_exposure_only_defences():
 
     loaded = load_model("tiny-llama")
     ids = [[5, 17, 42, 99]]
-    losses = {}
+    losses, priced = {}, {}
     for use in ("continued", "served"):
         ctx = TrialContext(loaded, 4, ids, seed=0, utility_tokens=64, attacks=["sipit"],
                            budget=AttackBudget(k_prior=4, k_grad=4), utility_use=use)
         noise = evaluate(ctx, ["noise"], dict(sigma=2.0, relative_to="rms", placement="exposure"))
         pooled = evaluate(ctx, ["pooling"], dict(mode="mean", over="all"))
         losses[use] = (noise["utility_loss"], pooled["utility_loss"], noise["top1_agreement"])
+        priced[use] = (noise["utility_losses"], pooled["utility_losses"])
     assert losses["served"][:2] == (0.0, 0.0) and losses["served"][2] == 1.0
     assert losses["continued"][0] != 0.0 and losses["continued"][2] < 1.0 and math.isinf(losses["continued"][1])
+    # every trial prices every use, whichever the study minimises
+    assert priced["served"] == priced["continued"]
+    noise_losses, pooled_losses = priced["served"]
+    assert noise_losses["served"] == 0.0 and noise_losses["continued"] == losses["continued"][0]
+    assert pooled_losses["embedding_store"] == 0.0 and math.isinf(pooled_losses["probing"])
 
 
 def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_budget_cannot_prove_it(tmp_path):

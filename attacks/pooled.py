@@ -7,7 +7,9 @@ searches token sequences whose pooled states explain the target:
     for t = 0, 1, ...:
         for each hypothesis (prefix, its layer-l KV cache, running pool of its current window):
             candidates v: the whole vocabulary in chunks (V <= full_vocab_limit, tiny models)
-                          or the top-k of the model's own next-token prior (NextTokenPrior)
+                          or the top-k of the model's own next-token prior (NextTokenPrior),
+                          with ``proposals`` also the top ``head_k`` of the learned proposals
+                          on the position's proxy state (below)
             mu_{p,v} = WhiteBox.step(prefix cache, candidates)   (one incremental position each)
             running pool' = pool(running pool, pool_dims(mu))    (sum for mean, max for max)
             score = sum over completed windows ||pooled - target_w||^2
@@ -23,6 +25,15 @@ token scores ~0 and the search is exact; k = 2 needs the true first token of eac
 beam. Mean over all positions is a single constraint on the sum of T states: the search returns a
 sequence that explains it, usually not the prompt (measure token accuracy, bag-of-tokens overlap).
 
+Learned proposals (``proposals``: an attacks.policies.LearnedPolicy, pooling over positions only):
+the prior's top-k misses what it cannot guess (names, numbers), so each position also takes the
+top ``head_k`` of the position-0 table (t = 0: nearest rows) or of the inverse head log q(v | x)
+(t >= 1) at a proxy x of the position's state. With mean pooling, the position that completes a
+window of k_w positions has an exact proxy, x = k_w * target_w - sum of the window's earlier
+states: its state is then determined by the prefix, and the step is exact SipIt's; every other
+position (and max pooling) uses x = target_w, the pooled row (a head that is roughly linear in the
+state ranks the window's tokens high on their mean).
+
 Length: if ``length`` is given it is used; otherwise every admissible length is tried
 (window: (P-1)k+1 .. Pk; all: 1 .. ``max_length``; dims: P) and the best complete hypothesis
 over all lengths wins.
@@ -35,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attacks.policies import LearnedPolicy
 from attacks.result import Inversion, PositionRecord
 from defenses.pooling import Pooling
 from sipit.prior import NextTokenPrior
@@ -68,17 +80,20 @@ class PooledBeamAttack:
         prior_weight: float = 0.0,
         max_length: int = 32,
         rel_tol: float = 1e-4,
+        proposals: LearnedPolicy | None = None,
+        head_k: int = 64,
     ):
         if not isinstance(pooling, Pooling):
             raise TypeError(f"PooledBeamAttack needs the Pooling defence it attacks, got {type(pooling).__name__}")
-        if beam < 1 or topk < 1 or chunk < 1 or max_length < 1:
-            raise ValueError("beam, topk, chunk and max_length must be >= 1")
+        if beam < 1 or topk < 1 or chunk < 1 or max_length < 1 or head_k < 1:
+            raise ValueError("beam, topk, chunk, max_length and head_k must be >= 1")
         if partial_weight < 0 or prior_weight < 0:
             raise ValueError("partial_weight and prior_weight must be >= 0")
         self.pooling = pooling
         self.beam, self.topk, self.full_vocab_limit, self.chunk = beam, topk, full_vocab_limit, chunk
         self.partial_weight, self.prior_weight = partial_weight, prior_weight
         self.max_length, self.rel_tol = max_length, check_rel_tol(rel_tol)
+        self.proposals, self.head_k = proposals, head_k
 
     @property
     def name(self) -> str:
@@ -128,10 +143,25 @@ class PooledBeamAttack:
         return torch.relu(acc - target).pow(2).sum(-1)
 
     # ---------------------------------------------------------------------------- search
-    def _candidates(self, hyp: _Hyp, vocab: int, device) -> torch.Tensor:
-        if vocab <= self.full_vocab_limit or hyp.prior is None or hyp.prior.logprobs is None:
+    def _candidates(self, hyp: _Hyp, vocab: int, device, learned: bool, t: int, tgt: torch.Tensor,
+                    k_eff: int | None) -> torch.Tensor:
+        """The whole vocabulary (small ones), else the prior's top-k, with ``learned`` also the
+        proposals' top ``head_k`` at the position's proxy state (module docstring)."""
+        if vocab <= self.full_vocab_limit or ((hyp.prior is None or hyp.prior.logprobs is None) and not learned):
             return torch.arange(vocab, device=device)
-        return torch.topk(hyp.prior.logprobs, min(self.topk, vocab)).indices.to(device)
+        parts = []
+        if hyp.prior is not None and hyp.prior.logprobs is not None:
+            parts.append(torch.topk(hyp.prior.logprobs, min(self.topk, vocab)).indices.cpu())
+        if learned:
+            proxy = tgt
+            if self.pooling.mode == "mean" and k_eff is not None and hyp.n_in + 1 == k_eff and hyp.acc is not None:
+                proxy = k_eff * tgt - hyp.acc  # the completing position's own state
+            if t == 0:
+                scores = -(self.proposals.table.states - proxy.to(self.proposals.table.states.device)).pow(2).sum(1)
+            else:
+                scores = self.proposals.head_log_probs(t, proxy.cpu())
+            parts.append(torch.topk(scores.cpu(), min(self.head_k, vocab)).indices)
+        return torch.unique(torch.cat(parts)).to(device)
 
     @torch.no_grad()
     def invert(self, pooled: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None, length: int | None = None) -> Inversion:
@@ -149,6 +179,8 @@ class PooledBeamAttack:
         known = lengths[0] if len(lengths) == 1 else None
         vocab = whitebox.vocab_size
         need_prior = vocab > self.full_vocab_limit or self.prior_weight > 0
+        learned = self.proposals is not None and self.pooling.over != "dims" and vocab > self.full_vocab_limit
+        setup = self.proposals.prepare(whitebox, layer, tokenizer) if learned else []  # one-time: not timed
         started = time.perf_counter()
         beams = [_Hyp([], whitebox.prefix_cache([], layer), 0.0, None, 0, 0.0,
                       NextTokenPrior(whitebox.model) if need_prior else None)]
@@ -162,7 +194,7 @@ class PooledBeamAttack:
             scores, where = [], []
             tried = 0
             for h_index, hyp in enumerate(beams):
-                cands = self._candidates(hyp, vocab, whitebox.device)
+                cands = self._candidates(hyp, vocab, whitebox.device, learned, t, tgt, k_eff)
                 prior_lp = hyp.prior.logprobs if (hyp.prior is not None and hyp.prior.logprobs is not None) else None
                 for part in cands.split(self.chunk):
                     batch = whitebox.step(hyp.prefix, part)
@@ -218,4 +250,4 @@ class PooledBeamAttack:
             for t, tok in enumerate(ids)
         ]
         return Inversion(ids=list(ids), text=tokenizer.decode(ids) if tokenizer is not None else "",
-                         positions=records, seconds=time.perf_counter() - started, vocab_size=vocab)
+                         positions=records, seconds=time.perf_counter() - started, vocab_size=vocab, setup=setup)

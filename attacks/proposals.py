@@ -183,11 +183,13 @@ def add_noise(x: torch.Tensor, sigma: float, generator: torch.Generator) -> torc
     return x + sigma * torch.randn(x.shape, generator=generator) if sigma > 0 else x
 
 
+@torch.enable_grad()
 def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config: HeadConfig,
              progress: bool = False) -> InverseHead:
     """Train an :class:`InverseHead` on states ``x`` (N, d) of tokens ``y`` (N,) with a sampled
     softmax (module docstring), fresh noise of ``config.noise`` on every minibatch; every random
-    choice is drawn from a generator seeded by ``config.seed``."""
+    choice is drawn from a generator seeded by ``config.seed``. Gradients are enabled here, so an
+    attack may build its heads on first use inside its own ``torch.no_grad()`` decode."""
     generator = torch.Generator().manual_seed(config.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from attacks.head import InverseHeadAttack
-from attacks.policies import RandomPolicy, make_policy
+from attacks.policies import LearnedPolicy, RandomPolicy, make_policy
 from attacks.pooled import PooledBeamAttack
 from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
 from attacks.sipit import SipIt
@@ -85,7 +85,9 @@ def _shortlist(o: AttackOptions) -> dict:
 
 
 def _pooled(e: Exposure, o: AttackOptions):
-    return PooledBeamAttack(e.pooling, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
+    """The pooled beam; with the learned policy its candidates add the learned proposals (attacks.pooled)."""
+    proposals = LearnedPolicy() if o.policy == "learned" else None
+    return PooledBeamAttack(e.pooling, proposals=proposals, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
 
 
 #: name -> builder(exposure, options). Adding an attack is one entry here.

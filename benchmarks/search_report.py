@@ -226,7 +226,8 @@ def plot_report(report: dict, path: Path) -> Path:
 
 
 def plot_uses(report: dict, path: Path) -> Path:
-    """One panel per use: recovery vs that use's loss of every trial it can serve, with its Pareto front."""
+    """One panel per use: the constrained recovery (the strongest attack's 95% upper bound, or its point
+    estimate for ``bound="point"``) vs that use's loss of every trial it can serve, with its Pareto front."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,23 +244,26 @@ def plot_uses(report: dict, path: Path) -> Path:
         by_trial = {r["trial"]: r for r in u["pareto_front"]}
         for group in groups:
             pts = [(r["utility_losses"].get(use, r["utility_loss"] if use == report["config"].get("utility_use") else None),
-                    r["recovery"]) for r in report["trials"] if r["group"] == group]
+                    r["constrained"]) for r in report["trials"] if r["group"] == group]
             pts = [(x, y) for x, y in pts if x is not None and math.isfinite(x)]
             if pts:
                 ax.scatter([100 * x for x, _ in pts], [y for _, y in pts], s=18, color=colours[group], label=group)
         front = sorted(by_trial.values(), key=lambda r: r["utility_loss"])
-        ax.plot([100 * r["utility_loss"] for r in front], [r["recovery"] for r in front], "k--", lw=1, label="Pareto front")
-        ax.axhline(report["threshold"], color="red", lw=0.8)
+        xs = [100 * r["utility_loss"] for r in front]
+        ax.plot(xs, [r["constrained"] for r in front], "k--o", lw=1, mfc="none", ms=9, label="Pareto front")
+        ax.axhline(report["threshold"], color="red", lw=0.8, label=f"threshold {report['threshold']:.3g}")
         ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(left=min([0.0, *xs]) - 0.5)
         ax.set_xlabel(f"{LOSS_NAMES[use][0]} (%)")
-        ax.set_ylabel("recovery (strongest attack)")
+        ax.set_ylabel("recovery, 95% upper bound" if report.get("bound") == "upper95" else "recovery")
         ax.set_title(f"{use}: {USE_NAMES[use]}", fontsize=8)
     for ax in list(axes.flat)[len(uses):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=7)
     c = report["config"]
     fig.suptitle(f"{c['model']} layer {c['layer']}, {report['study']}: one Pareto front per use (threshold in red)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

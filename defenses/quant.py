@@ -25,7 +25,8 @@ the served prompt's shape, which reproduces the served state bit for bit
 Exposed activations (``activations``: ``int8``, ``nf4``, ``fp4`` or ``none``): the layer-l state
 tensor is stored with ``bitsandbytes.functional.quantize_blockwise`` (8-bit dynamic, blocks of
 ``blocksize``) or ``quantize_4bit`` (nf4/fp4, blocks of ``blocksize``) and dequantised by whoever
-reads it.
+reads it. The exposure's error is reported as :meth:`Quantization.noise_sigma` (the RMS of
+Q(h) - h), so the attacker decodes it as noise of that size.
 
 Attacker: ``knows_defense=True`` holds the same quantised weights (the served model);
 ``False`` holds only the fp32 weights (mismatch: the recomputed states differ from the leak by
@@ -156,6 +157,18 @@ class Quantization(Defense):
 
     def expose(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return quantize_activations(states, self.activations, self.blocksize)
+
+    def noise_sigma(self, states: torch.Tensor) -> float:
+        """The stored activations' error as a per-coordinate sigma: sqrt(mean((Q(h) - h)^2)) over
+        ``states`` (0 when activations are exact). The attacker who knows the format gets this number
+        by quantising states it computes itself; with it the registry's strongest attack for the
+        exposure is the noise-robust decoder with this radius (attacks.registry.strongest), not a
+        nearest neighbour on a small shortlist (which credited stored int8 with hiding half the
+        tokens at the last layer)."""
+        if self.activations == "none":
+            return 0.0
+        error = quantize_activations(states, self.activations, self.blocksize).float() - states.detach().float()
+        return float(error.pow(2).mean().sqrt())
 
     def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
         return self.serve(loaded, layer) if knows_defense else loaded

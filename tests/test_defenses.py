@@ -373,6 +373,27 @@ def test_the_pipeline_verifies_4bit_candidates_at_the_served_shape_and_inverts_e
     assert noisy.served_shape and noisy.exact == [False] and noisy.verifier(0) is noisy.attacker_wb  # decoders tolerate the gap
 
 
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_stored_activations_are_decoded_as_noise_of_their_own_error(llama, kind):
+    """The attacker knows the storage format, so the exposure carries its error as a sigma and the
+    strongest attack is the noise-robust decoder with that radius; it recovers the prompt."""
+    from attacks.registry import AttackOptions, strongest
+    from benchmarks.pipeline import attack_for, expose, invert_all
+
+    clean_wb = WhiteBox(llama.model)
+    ids = _ids(8, 7).tolist()
+    chain = make_chain("quant", weights="none", activations=kind)
+    exposed = expose(chain, llama, clean_wb, 2, [ids], seed=0)
+    states = clean_wb.states(ids, 2)
+    error = (exposed.states[0].float() - states.float()).pow(2).mean().sqrt().item()
+    assert exposed.exact == [False] and exposed.sigmas[0] == pytest.approx(error, rel=1e-5) and error > 0
+    assert strongest(exposed.knowledge(0), AttackOptions()) == "nn-heuristic"
+    inv = invert_all(exposed, lambda i: attack_for(exposed, i, "sipit", AttackOptions(policy="gradient")),
+                     llama.tokenizer)[0]
+    assert inv.ids == ids
+    assert make_defense("quant", weights="int8").noise_sigma(states) == 0.0  # exact exposure: no error
+
+
 def test_the_tied_attacker_recovers_the_group_and_the_prior_picks_the_member(llama):
     from attacks.registry import AttackOptions
     from attacks.tied import MemberByPrior

@@ -100,10 +100,13 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
     groups: dict[str, dict] = {}
     for group in sorted({r["group"] for r in rows}):
         mine = [r for r in rows if r["group"] == group]
-        ok = sorted((r for r in mine if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+        ok = sorted((r for r in mine if r["feasible"] and math.isfinite(r["utility_loss"])),
+                    key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
         groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
                          "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
-    feasible = sorted((r for r in rows if r["feasible"]), key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
+    # an answer for the study's use: leakage under the threshold and a use the setting can serve (finite loss)
+    feasible = sorted((r for r in rows if r["feasible"] and math.isfinite(r["utility_loss"])),
+                      key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
     front = set(_pareto([(r["utility_loss"], r["constrained"], r["trial"]) for r in rows]))
     answer = [r for r in feasible if r["utility_loss"] <= ppl_limit]  # the perplexity increase of the study's use
     counts = trial_counts(study)

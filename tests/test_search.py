@@ -381,3 +381,20 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
         assert u["n_tokens"] == 12 and u["recovery_upper95"] >= u["recovery"]
         assert math.isclose(trials[row["trial"]].constraints["recovery"], u["recovery_upper95"] - 0.3)
         assert row["feasible"] == (u["recovery_upper95"] <= 0.3)
+
+
+def test_a_setting_that_cannot_serve_the_use_is_no_answer_for_it(tmp_path):
+    """Pooled exposures cannot feed continued inference (+inf): infeasible for TPE (constraint "use")
+    and never the study's answer, while the embedding store's front, from the same trials, takes them."""
+    result = run_search(str(tmp_path / "pool.journal"), "pool", 2, out=tmp_path / "out", track=False,
+                        log=lambda *a, **k: None, **{**FAST, "families": "pooling", "threshold": 0.99})
+    from benchmarks.search_report import build_report
+
+    trials = [t for t in _trials(str(tmp_path / "pool.journal"), "pool") if t.state == TrialState.COMPLETE]
+    assert trials and all(t.constraints["use"] == 1.0 and math.isinf(t.user_attrs["utility_loss"]) for t in trials)
+    study = optuna.load_study(study_name="pool", storage=search.open_storage(str(tmp_path / "pool.journal")))
+    report = build_report(study, threshold=1.0)  # every trial's leakage is then under the threshold
+    assert all(r["feasible"] for r in report["trials"]) and result["report"]["best"] is None
+    assert report["best"] is None and report["groups"]["pooling"]["best"] is None
+    assert report["uses"]["embedding_store"]["best"]["feasible"]
+    assert report["uses"]["continued"]["best"] is None and report["uses"]["continued"]["n_trials"] == 0

@@ -96,22 +96,32 @@ def test_unwritable_tracking_store_still_writes_results(tmp_path, capsys):
     assert results["attacks"]["softmax-head"]["n_prompts"] == 1
 
 
-def test_ctrl_c_saves_partial_results_and_fails_the_mlflow_run(tmp_path):
+def _bruteforce_run_interrupted(tmp_path, experiment: str, after_prompt: int, signals: int = 1):
+    """A tiny-gpt2 bruteforce run of 40 prompts, sent ``signals`` SIGINTs (0.3 s apart) once prompt
+    ``after_prompt`` is done; returns (tracking uri, out folder, stderr) after checking exit code 130."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "benchmarks.run", "--model", "tiny-gpt2", "--attacks", "bruteforce",
            "--n-prompts", "40", "--length", "8", "--utility-tokens", "0", "--margin-positions", "0", "--no-progress",
-           "--tracking-uri", uri, "--experiment", "sigint", "--out", str(out)]
+           "--tracking-uri", uri, "--experiment", experiment, "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 120
     for line in proc.stderr:
-        if "[run] bruteforce prompt 2/40 done" in line or time.time() > deadline:
+        if f"[run] bruteforce prompt {after_prompt}/40 done" in line or time.time() > deadline:
             break
     assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
+    for i in range(signals):
+        if i:
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
+    return uri, out, err
+
+
+def test_ctrl_c_saves_partial_results_and_fails_the_mlflow_run(tmp_path):
+    uri, out, _ = _bruteforce_run_interrupted(tmp_path, "sigint", after_prompt=2)
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "interrupted"
     done = results["attacks"]["bruteforce"].get("n_prompts", 0)
@@ -126,23 +136,7 @@ def test_ctrl_c_saves_partial_results_and_fails_the_mlflow_run(tmp_path):
 def test_two_ctrl_c_still_write_partial_results_and_fail_every_run(tmp_path):
     """A second Ctrl-C 0.3 s after the first is ignored while the run cleans up; the message says
     only what happened (before issue 17: empty out folder, parent RUNNING, message claiming both)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--model", "tiny-gpt2", "--attacks", "bruteforce",
-           "--n-prompts", "40", "--length", "8", "--utility-tokens", "0", "--margin-positions", "0", "--no-progress",
-           "--tracking-uri", uri, "--experiment", "sigint2", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.time() + 120
-    for line in proc.stderr:
-        if "[run] bruteforce prompt 1/40 done" in line or time.time() > deadline:
-            break
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
+    uri, out, err = _bruteforce_run_interrupted(tmp_path, "sigint2", after_prompt=1, signals=2)
     assert "Traceback" not in err
     last = err.rstrip().splitlines()[-1]
     assert last.startswith("interrupted: partial results written to") and "MLflow runs marked FAILED (2)" in last

@@ -63,6 +63,10 @@ FIELD_TOL = [
     # (~1e-8 on the tiny models): noise, so an absolute floor of 1e-6; a real (noisy) distance,
     # ~0.1-100, is held to 1e-4.
     (r"(^|\.)distances?(\[|$)", (1e-4, 1e-6)),
+    # The same for the noise study's exact rows at sigma 0: |h_cached - h_full| of one state is rounding
+    # (~1e-7 on tiny-llama) and moved by 5% between two CPUs (the recording's and an AMD EPYC without
+    # AVX-512, the same commit, 2026-12-05); the noisy rows (noise >= 0.04, ratio >= 0.2) stay at 1e-4.
+    (r"^exact\[\d+\]\.(noise|ratio)$", (1e-4, 1e-5)),
 ]
 #: smollm2's states are larger (norms ~1e2-1e3 at the last layer), so the rounding-noise distance of
 #: an exactly decoded position is ~1e-5-3e-3, and it moved by up to 1e-3 (rel 0.47) when the same
@@ -76,8 +80,14 @@ SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
 RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--margin-positions", "1",
               "--radius-budget", "0")
 #: per command, the flags given before a case's own (defaults that changed after the recording):
-#: the search's threshold then applied to the point estimate (--bound point)
-PINNED = {"run": RUN_PINNED, "search": ("--bound", "point")}
+#: the search's threshold then applied to the point estimate (--bound point) and its SipIt ordered
+#: candidates by the gradient (--policy gradient)
+PINNED = {"run": RUN_PINNED, "search": ("--bound", "point", "--policy", "gradient")}
+#: bitsandbytes' CPU 4-bit kernels round differently on different CPUs: the same commit (5190fb1) gave
+#: an nf4-served tiny-llama perplexity 0.017% apart and states 0.5% apart (state_rel_l2 0.2159 vs
+#: 0.2150) on the recording machine and on an AMD EPYC without AVX-512. Recovered ids are unaffected.
+BNB_4BIT_TOL = ((r"^trials\[\d+\]\.(ppl_rel_increase|utility_loss)$", (1e-4, 1e-3)),
+                (r"^trials\[\d+\]\.state_rel_l2$", (2e-2, 1e-9)))
 RUN_COMMON = ("--n-prompts", "3", "--length", "8", "--seed", "0", "--head-tokens", "1024", "--head-epochs", "20",
               "--utility-tokens", "128", "--margin-positions", "-1", "--no-tracking", "--no-progress",
               "--out", "{out}")
@@ -161,7 +171,7 @@ CASES: list[Case] = [
     Case("search-tiny-llama-sqlite", "search", ("--storage", "sqlite:///{tmp}/study.db", "--study", "regression",
                                                 "--n-trials", "4", *SEARCH_FAST, "--utility-use", "served",
                                                 "--no-tracking", "--out", "{out}"),
-         ci=True),
+         ci=True, tol=BNB_4BIT_TOL),
     # ---------------------------------------------------------------- smollm2-135m (the bundled real model)
     Case("invert-smollm2-gradient-l1", "invert", (SMOL_TEXT, "--model", "smollm2-135m", "--layer", "1",
                                                   "--policy", "gradient", "--max-tokens", "8", "--seed", "0")),

@@ -214,8 +214,9 @@ def test_probe_patches_a_watched_module_when_it_is_imported_and_dumps_its_events
 
 # --------------------------------------------------------------------------- one real run
 def test_one_worker_for_a_few_seconds_on_postgres(tmp_path):
-    """PostgreSQL + the CLI's worker, a 3 s window: trials are counted and the storage's statements seen."""
-    code = load.main(["--workers", "1", "--tracking", "off", "--grpc", "none", "--window", "3", "--warmup", "1",
+    """PostgreSQL + the CLI's worker, a 5 s window (trials of ~0.75 s, gradient order): trials are counted
+    and the storage's statements seen."""
+    code = load.main(["--workers", "1", "--tracking", "off", "--grpc", "none", "--window", "5", "--warmup", "1",
                       "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "search_load.json").read_text())

@@ -53,9 +53,10 @@ STORAGE_ENV = "SIPIT_SEARCH_STORAGE"  # benchmarks.search_storage.STORAGE_ENV (n
 PROBE_FILE = Path(__file__).with_name("search_load_probe.py")
 STUDY = "load"
 N_TRIALS = 100000  # never reached: runs are bounded by time
-# tiny-llama trials of about 50 ms of measurement (the options tests/test_search_postgres.py uses)
+# tiny-llama trials of about 50 ms of measurement (the options tests/test_search_postgres.py uses); the
+# gradient order: the learned one builds a position-0 table and inverse heads in the first trial (~12 s)
 TRIAL_OPTIONS = dict(model="tiny-llama", layer=-1, families="noise", n_prompts=1, length=4, utility_tokens=32,
-                     attacks="sipit", sigma_low=0.05, sigma_high=20.0, threshold=0.3,
+                     attacks="sipit", sigma_low=0.05, sigma_high=20.0, threshold=0.3, policy="gradient",
                      budget={"k_prior": 8, "k_grad": 8})
 TRACKING = ("off", "on")
 NO_IO_CALLS = ("get_heartbeat_interval", "get_heartbeat_stale_trial_callback")  # settings, no storage access

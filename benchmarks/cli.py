@@ -148,20 +148,26 @@ INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def interrupt_once() -> Iterator[None]:
     """Inside the block the first SIGINT or SIGTERM raises KeyboardInterrupt and every later one is
     ignored until the block ends, so the cleanup that handles the interruption (written inside the
-    block, in an ``except KeyboardInterrupt``) cannot itself be cut short by a second Ctrl-C.
+    block, in an ``except KeyboardInterrupt``) cannot itself be cut short by a second Ctrl-C. After
+    an interruption they stay ignored (the command is ending); otherwise the old handlers return.
     Outside the main thread (where signals cannot be handled) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    fired = []
+
     def first(signum, frame):
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        fired.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, first) for sig in INTERRUPT_SIGNALS}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not fired:  # once interrupted the command is ending: a late signal (a search worker gets the
+            # terminal's SIGINT and its parent's) must not raise KeyboardInterrupt in the exit's finalizers
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

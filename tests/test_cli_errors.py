@@ -168,3 +168,25 @@ def test_uncached_hub_id_fails_within_seconds(bad_models):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "'someorg/nonexistent-model' is not in the local HF cache" in proc.stderr.splitlines()[-1]
     assert seconds < 30  # imports included; the hub was never contacted (55 s of retries before)
+
+
+def test_interrupt_once_keeps_later_signals_off_after_an_interruption():
+    """A search worker gets the terminal's SIGINT and then its parent's: the second, arriving while the
+    interpreter exits, once raised KeyboardInterrupt inside a weakref finalizer (a traceback in the log)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in cli.INTERRUPT_SIGNALS}
+    try:
+        with cli.interrupt_once():
+            pass
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # not interrupted: handlers restored
+        with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+            with cli.interrupt_once():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in before)
+        os.kill(os.getpid(), signal.SIGINT)  # a late Ctrl-C: ignored, no KeyboardInterrupt
+        time.sleep(0.1)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

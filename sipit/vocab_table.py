@@ -11,7 +11,11 @@ the linear surrogate (attacks.surrogate) its design matrix.
 (position 0 is F itself), kept in memory only (a bounded LRU per WhiteBox).
 
 Cost: V single-position steps on the empty prefix, i.e. about a plain forward of V tokens up to
-layer l (smollm2-135m, 2 CPU cores: ~75 s at layer 30, ~2 s at layer 1). The table is computed
+layer l (smollm2-135m, 2 CPU cores: ~75 s at layer 30, ~2 s at layer 1). Fewer when rows repeat:
+F_v depends on v only through its input row e_v, so one token per distinct row is stepped, and a
+copy whose layer-l computation is its original's but for the input embedding (a tied model,
+``WhiteBox.proposals_from``, same :func:`states_fingerprint`) reads the rows its original also has
+from the original's table (tying the rarest tokens: no step at all). The table is computed
 once per (weights, layer), cached on disk under ``sipit.models.cache_dir() / "tables"`` and kept
 in memory by the WhiteBox that owns the model (``WhiteBox.memo``). The disk key is a hash of the
 model's weights (:func:`weights_fingerprint`), so a different model, a fine-tuned copy or a
@@ -47,20 +51,37 @@ class VocabTable:
     cached: bool  # True when loaded from disk
 
 
+def _hash_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """blake2b (12 bytes, hex) of each tensor's name, shape, dtype and bytes, in order."""
+    digest = hashlib.blake2b(digest_size=12)
+    for name, tensor in named:
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def weights_fingerprint(whitebox: WhiteBox) -> str:
     """A hash of every parameter and buffer (names, shapes, dtypes and bytes) of the model.
 
     Hashing all bytes costs about a second for a 135M-parameter model and is memoised per WhiteBox.
     """
-    memo = whitebox.memo
-    if "fingerprint" not in memo:
-        digest = hashlib.blake2b(digest_size=12)
-        for name, tensor in list(whitebox.model.named_parameters()) + list(whitebox.model.named_buffers()):
-            data = tensor.detach().cpu().contiguous()
-            digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
-            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-        memo["fingerprint"] = digest.hexdigest()
-    return memo["fingerprint"]
+    if "fingerprint" not in whitebox.memo:
+        model = whitebox.model
+        whitebox.memo["fingerprint"] = _hash_tensors(list(model.named_parameters()) + list(model.named_buffers()))
+    return whitebox.memo["fingerprint"]
+
+
+def states_fingerprint(whitebox: WhiteBox) -> str:
+    """A hash of what the layer states depend on besides the input rows: every parameter and buffer
+    of the decoder (blocks, norms, position embeddings) except the input embedding; the LM head is
+    outside it. Two models with the same one map equal rows to equal states. Memoised per WhiteBox."""
+    if "states-fingerprint" not in whitebox.memo:
+        rows = whitebox.embedding.weight
+        named = [(n, t) for n, t in list(whitebox.base.named_parameters()) + list(whitebox.base.named_buffers())
+                 if t is not rows]
+        whitebox.memo["states-fingerprint"] = _hash_tensors(named)
+    return whitebox.memo["states-fingerprint"]
 
 
 def table_path(whitebox: WhiteBox, layer: int) -> Path:
@@ -81,13 +102,41 @@ def _load(path: Path, expected: tuple[int, int]) -> torch.Tensor | None:
     return states
 
 
+def _row_keys(whitebox: WhiteBox) -> list[bytes]:
+    """Each input-embedding row's bytes: equal keys, equal rows (bit for bit)."""
+    rows = whitebox.embedding.weight.detach().cpu().contiguous()
+    return [row.tobytes() for row in rows.view(rows.shape[0], -1).view(torch.uint8).numpy()]
+
+
 @torch.no_grad()
 def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: bool = False) -> torch.Tensor:
-    """F_v = Phi^l(v)_0 for every v: the vocabulary swept on the empty prefix, ``(V, d)`` (incremental
-    steps, also for a WhiteBox that verifies at the served shape: the table ranks, it does not verify)."""
+    """F_v = Phi^l(v)_0 for every v, ``(V, d)``: the distinct input rows swept on the empty prefix
+    (incremental steps, also for a WhiteBox that verifies at the served shape: the table ranks, it
+    does not verify), each token reading its row's state; rows of the original's table where
+    ``proposals_from`` has the same :func:`states_fingerprint` (module docstring)."""
     whitebox = whitebox.at_served_shape(None)
-    empty = whitebox.prefix_cache([], layer)
-    return sweep_states(whitebox, empty, chunk=chunk, progress=progress, desc=f"position-0 table l={layer}")
+    keys = _row_keys(whitebox)
+    first_of: dict[bytes, int] = {}  # distinct row -> the first token that has it
+    for token, key in enumerate(keys):
+        first_of.setdefault(key, token)
+    distinct = list(first_of)
+    states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
+    todo = list(range(len(distinct)))
+    original = whitebox.proposals_from
+    same_body = original is not None and states_fingerprint(original) == states_fingerprint(whitebox)
+    if same_body:
+        theirs = {key: token for token, key in enumerate(_row_keys(original))}
+        shared = [i for i in todo if distinct[i] in theirs]
+        if shared:
+            table = position_zero_table(original, layer, progress=progress).states
+            states[shared] = table[[theirs[distinct[i]] for i in shared]].to(states)
+            todo = [i for i in todo if distinct[i] not in theirs]
+    if todo:
+        ids = torch.tensor([first_of[distinct[i]] for i in todo], dtype=torch.long)
+        states[todo] = sweep_states(whitebox, whitebox.prefix_cache([], layer), ids=ids, chunk=chunk,
+                                    progress=progress, desc=f"position-0 table l={layer}")
+    index = {key: i for i, key in enumerate(distinct)}
+    return states[torch.tensor([index[key] for key in keys], dtype=torch.long, device=whitebox.device)]
 
 
 def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True, progress: bool = False,

@@ -33,6 +33,41 @@ def test_position_zero_table_equals_the_models_own_states(tiny, one_thread):
             torch.testing.assert_close(table[v], wb.states([v], layer)[0], rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("tying", [{"rare": 200}, {"groups": 64}])
+def test_a_tied_copy_steps_only_the_rows_its_original_lacks(tying, one_thread, monkeypatch):
+    """F_v depends on v only through e_v: a copy tied to its original's rows steps nothing, one tied
+    to k-means centroids steps one token per group, and either table equals the copy's own states."""
+    import sipit.vocab_table as vocab_table
+    from defenses import make_defense
+
+    loaded, wb = fresh("tiny-llama")
+    original = position_zero_table(wb, 2, use_disk=False).states
+    defense = make_defense("tying", **tying)
+    copy = WhiteBox(defense.serve(loaded, 2).model, proposals_from=wb)
+    stepped: list[int] = []
+    sweep = vocab_table.sweep_states
+
+    def counted(*args, ids=None, **kwargs):
+        stepped.append(len(ids))
+        return sweep(*args, ids=ids, **kwargs)
+
+    monkeypatch.setattr(vocab_table, "sweep_states", counted)
+    table = position_zero_table(copy, 2, use_disk=False).states
+    groups = defense.groups()
+    if "rare" in tying:
+        assert stepped == []  # every row is one of the original's: read from its table
+        torch.testing.assert_close(table, original[groups], rtol=0, atol=0)
+    else:
+        assert stepped == [int(groups.unique().numel())] and stepped[0] <= 64
+    tied = [v for v in range(wb.vocab_size) if int(groups[v]) != v][:3] + [0, wb.vocab_size - 1]
+    for v in tied:
+        torch.testing.assert_close(table[v], copy.states([v], 2)[0], rtol=1e-5, atol=1e-5)
+    quantised = WhiteBox(make_defense("quant", weights="nf4").serve(loaded, 2).model, proposals_from=wb)
+    stepped.clear()
+    position_zero_table(quantised, 2, use_disk=False)
+    assert stepped == [wb.vocab_size]  # other block weights: nothing borrowed, every row stepped
+
 def test_learned_proposals_never_change_the_recovered_ids(tiny, one_thread):
     loaded, wb = tiny
     prompts = prompt_set(loaded.tokenizer, 3, length=10, seed=3)

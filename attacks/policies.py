@@ -182,11 +182,19 @@ class LearnedPolicy:
                          f"recall@16 {report.top16:.3f}")
         return lines
 
-    def head_log_probs(self, position: int, target: torch.Tensor) -> torch.Tensor:
-        """log q(v | h~) from the head of ``position`` (>= 1)."""
+    def head_at(self, position: int) -> InverseHead:
+        """The inverse head of ``position`` (>= 1)."""
         if not self.heads:
             raise RuntimeError("LearnedPolicy.prepare() must run before the decode loop")
-        return self.heads[min(position, max(SLOTS))][0].log_probs(target)
+        return self.heads[min(position, max(SLOTS))][0]
+
+    def head_log_probs(self, position: int, target: torch.Tensor) -> torch.Tensor:
+        """log q(v | h~) from the head of ``position`` (>= 1)."""
+        return self.head_at(position).log_probs(target)
+
+    def expected_state(self, position: int) -> torch.Tensor:
+        """E[h_t] for ``position`` t >= 1: the mean of the corpus states its head was trained on, ``(d,)``."""
+        return self.head_at(position).mean
 
     def start(self, ctx: StepContext) -> None:
         """Order the vocabulary: by -||F_v - h~||^2 at position 0; later by log q(v|h~), alone for

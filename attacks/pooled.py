@@ -18,8 +18,14 @@ searches token sequences whose pooled states explain the target:
         keep the ``beam`` best children; extend their caches by slicing the candidate batch.
 
 Partial score of a window in progress with n of its k positions: mean pooling
-``||sum/n - target_w||^2`` (the running mean should approach the window mean); max pooling
-``||relu(running max - target_w)||^2`` (the true prefix never exceeds the target's max).
+``||(sum + sum_{j > t} m_j) / k - target_w||^2``, the window's mean with each of its k - n
+positions still to come filled by its expected state m_j = E[h_j] (with ``proposals``: the mean of
+the corpus states its inverse head was trained on; without: m_j = target_w, which ranks like
+``||sum/n - target_w||^2``); max pooling ``||relu(running max - target_w)||^2`` (the true prefix
+never exceeds the target's max). The fill matters where one position dominates a window:
+SmolLM2's position-0 state is ~9x the norm of the others (layer 30), so ``sum/n`` compares a
+position-0 state with half of it, and the true first token ranked 8,605th to 35,651st of 49,152
+(5 natural prompts, mean windows of 2); with the fill, 9th to 888th.
 A completed window is scored exactly, so with windows of k = 1 (or pooling over dims) the true
 token scores ~0 and the search is exact; k = 2 needs the true first token of each window in the
 beam. Mean over all positions is a single constraint on the sum of T states: the search returns a
@@ -28,11 +34,12 @@ sequence that explains it, usually not the prompt (measure token accuracy, bag-o
 Learned proposals (``proposals``: an attacks.policies.LearnedPolicy, pooling over positions only):
 the prior's top-k misses what it cannot guess (names, numbers), so each position also takes the
 top ``head_k`` of the position-0 table (t = 0: nearest rows) or of the inverse head log q(v | x)
-(t >= 1) at a proxy x of the position's state. With mean pooling, the position that completes a
-window of k_w positions has an exact proxy, x = k_w * target_w - sum of the window's earlier
-states: its state is then determined by the prefix, and the step is exact SipIt's; every other
-position (and max pooling) uses x = target_w, the pooled row (a head that is roughly linear in the
-state ranks the window's tokens high on their mean).
+(t >= 1) at a proxy x of the position's state. With mean pooling and a known window length k_w,
+x = k_w * target_w - (sum of the window's earlier states) - (sum of m_j over its later
+positions): exact for the position that completes the window (its state is then determined by the
+prefix, and the step is exact SipIt's), the fill's estimate before it. Max pooling (and an
+unknown length) uses x = target_w, the pooled row (a head that is roughly linear in the state
+ranks the window's tokens high on their mean).
 
 Length: if ``length`` is given it is used; otherwise every admissible length is tried
 (window: (P-1)k+1 .. Pk; all: 1 .. ``max_length``; dims: P) and the best complete hypothesis
@@ -52,6 +59,19 @@ from defenses.pooling import Pooling
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import check_rel_tol
 from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
+
+
+def partial_score(mode: str, acc: torch.Tensor, n: int, target: torch.Tensor, k: int | None = None,
+                  fill: torch.Tensor | None = None) -> torch.Tensor:
+    """The score of a window in progress after n of its k positions (module docstring), per row of
+    ``acc`` (the running sum for ``mode`` mean, the running max for max): mean with ``fill`` (the
+    sum of the expected states of the k - n positions still to come) ``||(acc + fill)/k - target||^2``,
+    mean without ``||acc/n - target||^2``, max ``||relu(acc - target)||^2``."""
+    if mode == "mean":
+        if fill is not None and k is not None:
+            return ((acc + fill) / k - target).pow(2).sum(-1)
+        return (acc / n - target).pow(2).sum(-1)
+    return torch.relu(acc - target).pow(2).sum(-1)
 
 
 @dataclass
@@ -137,10 +157,12 @@ class PooledBeamAttack:
     def _pooled(self, acc: torch.Tensor, n: int) -> torch.Tensor:
         return acc / n if self.pooling.mode == "mean" else acc
 
-    def _partial(self, acc: torch.Tensor, n: torch.Tensor | int, target: torch.Tensor) -> torch.Tensor:
-        if self.pooling.mode == "mean":
-            return (acc / n - target).pow(2).sum(-1)
-        return torch.relu(acc - target).pow(2).sum(-1)
+    def _fill(self, t: int, count: int, learned: bool, target: torch.Tensor) -> torch.Tensor | None:
+        """sum of m_j over the ``count`` positions after t (module docstring); None without proposals."""
+        if not learned or count <= 0:
+            return None
+        expected = (self.proposals.expected_state(j).to(target) for j in range(t + 1, t + 1 + count))
+        return sum(self.pooling.pool_dims(m) for m in expected)
 
     # ---------------------------------------------------------------------------- search
     def _candidates(self, hyp: _Hyp, vocab: int, device, learned: bool, t: int, tgt: torch.Tensor,
@@ -154,8 +176,9 @@ class PooledBeamAttack:
             parts.append(torch.topk(hyp.prior.logprobs, min(self.topk, vocab)).indices.cpu())
         if learned:
             proxy = tgt
-            if self.pooling.mode == "mean" and k_eff is not None and hyp.n_in + 1 == k_eff and hyp.acc is not None:
-                proxy = k_eff * tgt - hyp.acc  # the completing position's own state
+            if self.pooling.mode == "mean" and k_eff is not None:  # this position's state, estimated
+                fill = self._fill(t, k_eff - hyp.n_in - 1, learned, tgt)
+                proxy = k_eff * tgt - (0 if hyp.acc is None else hyp.acc) - (0 if fill is None else fill)
             if t == 0:
                 scores = -(self.proposals.table.states - proxy.to(self.proposals.table.states.device)).pow(2).sum(1)
             else:
@@ -192,6 +215,8 @@ class PooledBeamAttack:
             w, k_eff = self._window(t, known)
             tgt = target[w]
             scores, where = [], []
+            n = beams[0].n_in + 1  # windows are aligned: every hypothesis has the same n
+            fill = self._fill(t, (k_eff or 0) - n, learned, tgt)
             tried = 0
             for h_index, hyp in enumerate(beams):
                 cands = self._candidates(hyp, vocab, whitebox.device, learned, t, tgt, k_eff)
@@ -199,11 +224,10 @@ class PooledBeamAttack:
                 for part in cands.split(self.chunk):
                     batch = whitebox.step(hyp.prefix, part)
                     acc = self._accumulate(hyp.acc, self.pooling.pool_dims(batch.states.float()))
-                    n = hyp.n_in + 1
                     if k_eff is not None and n == k_eff:
                         s = hyp.done + (self._pooled(acc, n) - tgt).pow(2).sum(-1)
                     else:
-                        s = hyp.done + self.partial_weight * self._partial(acc, n, tgt)
+                        s = hyp.done + self.partial_weight * partial_score(self.pooling.mode, acc, n, tgt, k_eff, fill)
                     logp = hyp.logp + (prior_lp[part].float() if prior_lp is not None else torch.zeros(len(part)))
                     s = s - self.prior_weight * logp
                     scores.append(s)

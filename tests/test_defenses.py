@@ -11,7 +11,7 @@ from attacks.policies import GradientPolicy
 from attacks.sipit import SipIt
 from defenses import Chain, PooledExposureError, make_chain, make_defense, require_per_position
 from defenses.base import find_member
-from attacks.pooled import PooledBeamAttack
+from attacks.pooled import PooledBeamAttack, partial_score
 from defenses.utility import held_out_ids, utility_cost
 from sipit.models import load_model
 from sipit.whitebox import SipitInputError, WhiteBox
@@ -257,6 +257,28 @@ def test_learned_proposals_recover_what_the_prior_cannot_guess(llama, tmp_path, 
         exact += b.ids == ids and b.all_verified
     assert prior_only <= 4 and learned >= 28 and exact >= 3
     assert any("inverse head" in line for line in b.setup)
+
+
+def test_the_fill_ranks_a_dominant_first_state_that_the_running_mean_cannot():
+    """A window of 2 whose first state is ~9x the second's (SmolLM2's position 0): ||acc/n - target||
+    prefers first states that sit halfway to the second, the fill with E[h_1] puts the truth first."""
+    gen = torch.Generator().manual_seed(0)
+    d = 64
+    sink = torch.zeros(d)
+    sink[0] = 90.0  # the large direction every first state shares, its size varying by token (SmolLM2: |h_0| 4,991-5,905)
+    scale = 1 + 0.05 * torch.randn(200, 1, generator=gen)
+    firsts = sink * scale + torch.randn(200, d, generator=gen)  # 200 candidate first states
+    truth = int(scale[:, 0].argsort()[100])  # a first token of median size
+    seconds = 0.3 * torch.randn(50, d, generator=gen) + 1.0  # second states: mean ~1, norm ~8
+    target = (firsts[truth] + seconds[0]) / 2
+    plain = partial_score("mean", firsts, 1, target, k=2)
+    filled = partial_score("mean", firsts, 1, target, k=2, fill=seconds[1:].mean(0))
+    assert int((filled < filled[truth]).sum()) == 0
+    assert int((plain < plain[truth]).sum()) > 50
+    torch.testing.assert_close(partial_score("mean", firsts, 1, target), plain)  # no k: no fill
+    below = torch.minimum(firsts, target)  # a running max the target's max can still reach: 0
+    assert float(partial_score("max", below, 1, target).max()) == 0.0
+    assert float(partial_score("max", target + 1.0, 1, target)) == pytest.approx(d)  # 1 above it in every dim
 
 
 def test_pooled_attack_mean_over_all_fits_better_than_chance(gpt2):

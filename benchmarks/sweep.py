@@ -137,7 +137,11 @@ def sweep_plot(settings: list[dict], rows: list[dict], path: Path, title: str) -
                 ax.set_xscale("log")
         else:
             ax.set_xticks(xs, [_label(s["values"]) for s in settings], rotation=20, fontsize=7)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    if not right.get_lines():  # e.g. --utility-tokens 0
+        right.text(0.5, 0.5, "perplexity not measured in this sweep", ha="center", va="center",
+                   transform=right.transAxes)
     right.set_ylabel("perplexity increase (%)")
     if any(abs(y) > 100 for line in right.get_lines() for y in line.get_ydata()):
         right.set_yscale("symlog", linthresh=1)  # noise can raise perplexity by orders of magnitude

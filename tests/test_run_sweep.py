@@ -90,3 +90,18 @@ def test_ctrl_c_in_the_second_setting_keeps_the_first_and_fails_the_open_runs(tm
               for r in runs if "attack" not in r.data.tags}
     assert status.pop("sweep") == "FAILED" and status.pop(first) == "FINISHED"
     assert list(status.values()) == ["FAILED"]  # the interrupted setting
+
+
+def test_a_sweep_without_utility_plots_without_an_empty_legend(tmp_path):
+    """--utility-tokens 0: the utility panel has no curve: no empty legend (matplotlib warned), a note instead."""
+    import warnings
+
+    from benchmarks.sweep import sweep_plot
+
+    settings = [{"values": {"pooling.k": k}, "results": {}, "config_hash": f"h{k}"} for k in (2, 4)]
+    rows = [{"attack": "sipit", "config_hash": f"h{k}", "token_accuracy": acc, "token_accuracy_se": 0.1}
+            for k, acc in ((2, 0.6), (4, 0.1))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = sweep_plot(settings, rows, tmp_path / "sweep.png", "tiny")
+    assert path.stat().st_size > 1000

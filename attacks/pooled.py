@@ -19,13 +19,16 @@ searches token sequences whose pooled states explain the target:
 
 Partial score of a window in progress with n of its k positions: mean pooling
 ``||(sum + sum_{j > t} m_j) / k - target_w||^2``, the window's mean with each of its k - n
-positions still to come filled by its expected state m_j = E[h_j] (with ``proposals``: the mean of
-the corpus states its inverse head was trained on; without: m_j = target_w, which ranks like
-``||sum/n - target_w||^2``); max pooling ``||relu(running max - target_w)||^2`` (the true prefix
-never exceeds the target's max). The fill matters where one position dominates a window:
-SmolLM2's position-0 state is ~9x the norm of the others (layer 30), so ``sum/n`` compares a
-position-0 state with half of it, and the true first token ranked 8,605th to 35,651st of 49,152
-(5 natural prompts, mean windows of 2); with the fill, 9th to 888th.
+positions still to come filled by a typical state m_j = m (with ``proposals``: the mean of the
+corpus states the inverse head of positions >= 2 was trained on, LearnedPolicy.typical_state;
+without: m_j = target_w, which ranks like ``||sum/n - target_w||^2``); max pooling
+``||relu(running max - target_w)||^2`` (the true prefix never exceeds the target's max). The fill
+matters where one position dominates a window: SmolLM2's position-0 state has ~9x the norm of the
+others (layer 30), so ``sum/n`` compares a position-0 state with half of it, and the true first
+token of a mean window of 2 ranked 8,605th to 35,651st of 49,152 (layer 30, 5 natural prompts).
+With the fill it ranks 0th or 1st at layer 15 (9th to 888th at layer 30 with the mean of the other
+prompts' states); filled with the position-1 head's own mean instead, 8,254th to 19,115th
+(typical_state says why).
 A completed window is scored exactly, so with windows of k = 1 (or pooling over dims) the true
 token scores ~0 and the search is exact; k = 2 needs the true first token of each window in the
 beam. Mean over all positions is a single constraint on the sum of T states: the search returns a
@@ -158,11 +161,11 @@ class PooledBeamAttack:
         return acc / n if self.pooling.mode == "mean" else acc
 
     def _fill(self, t: int, count: int, learned: bool, target: torch.Tensor) -> torch.Tensor | None:
-        """sum of m_j over the ``count`` positions after t (module docstring); None without proposals."""
+        """sum of m_j over the ``count`` positions after t, m_j = the typical state after position 0
+        (module docstring); None without proposals."""
         if not learned or count <= 0:
             return None
-        expected = (self.proposals.expected_state(j).to(target) for j in range(t + 1, t + 1 + count))
-        return sum(self.pooling.pool_dims(m) for m in expected)
+        return count * self.pooling.pool_dims(self.proposals.typical_state().to(target))
 
     # ---------------------------------------------------------------------------- search
     def _candidates(self, hyp: _Hyp, vocab: int, device, learned: bool, t: int, tgt: torch.Tensor,

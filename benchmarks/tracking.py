@@ -23,6 +23,7 @@ database. Every message that shows a URI goes through :func:`redact` (no passwor
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -201,8 +202,11 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+@functools.cache
 def git_commit() -> str:
-    """The repository's HEAD commit, with ``+dirty`` when tracked files differ from it."""
+    """The repository's HEAD commit, with ``+dirty`` when tracked files differ from it, read once per
+    process: the code a process runs is the code it loaded, so a sweep's later settings keep the
+    commit of the first even when HEAD moves while they run."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

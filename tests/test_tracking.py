@@ -149,3 +149,16 @@ def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path):
     run_id = tracker.start_parent("p", {"a": 1}, {})
     tracker.finish(run_id)
     assert MlflowClient(tracking_uri=f"sqlite:///{db}").get_run(run_id).info.status == "FINISHED"
+
+
+def test_the_commit_is_read_once_per_process(monkeypatch):
+    """A sweep records the commit its code was loaded from, even if HEAD moves while it runs."""
+    from benchmarks import tracking
+
+    tracking.git_commit.cache_clear()
+    first = tracking.git_commit()
+    assert first != "unknown" and len(first.split("+")[0]) == 40
+    calls = []
+    monkeypatch.setattr(tracking.subprocess, "run", lambda *a, **k: calls.append(a) or pytest.fail("git ran again"))
+    assert tracking.git_commit() == first and calls == []
+    tracking.git_commit.cache_clear()

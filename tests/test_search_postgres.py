@@ -213,12 +213,26 @@ def test_database_stopped_and_restarted_mid_study(postgres, searches, tmp_path):
     workers = [s.start("--attach", "--no-tracking", "--storage-wait", "60", "--out", str(tmp_path / "out"))
                for _ in range(2)]
     wait_until(lambda: any(t.state == TrialState.COMPLETE for t in s.trials()), 150, "a first complete trial")
-    postgres.stop()
-    time.sleep(4)  # the outage itself: the database is down for 4 s
+    # After the first (slow) trial the others take a second or two: freeze the workers while the
+    # database goes down, so that trials are left to run during the outage (otherwise two fast
+    # workers can finish the study before the server has stopped).
+    for proc in workers:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        assert sum(t.state == TrialState.COMPLETE for t in s.trials()) < n
+        postgres.stop()
+    finally:
+        for proc in workers:
+            os.kill(proc.pid, signal.SIGCONT)
+
+    def outage_seen() -> bool:
+        output = "".join(s.output(p) for p in workers)
+        return "storage unreachable" in output or "storage failed" in output
+
+    wait_until(outage_seen, 60, "a worker to report the outage and wait")  # the database stays down until then
+    time.sleep(2)
     postgres.start()
     assert s.finish(timeout=200) == [0, 0]
-    output = "".join(s.output(p) for p in workers)
-    assert "storage unreachable" in output or "storage failed" in output  # the workers saw the outage and waited
     trials = s.trials()
     _assert_complete_once(trials, n)
     files = {int(p.stem.split("-")[1]) for p in (tmp_path / "out" / "trials").glob("trial-*.json")}

@@ -44,6 +44,7 @@ class Exposed:
     exact: list[bool]  # exposed states equal the attacker's own, bit for bit
     noise_norms: list[list[float | None]]  # ||h~_t - mu_t|| per position (None: pooled)
     served_shape: bool = False  # verify candidates at the served shape (the attacker holds shape-dependent weights)
+    knows_defense: bool = True  # False: the naive attacker (original weights, no noise sigma or format error)
 
     def verifier(self, i: int):
         """The WhiteBox that verifies prompt ``i``'s candidates: ``attacker_wb``, at the served shape
@@ -55,11 +56,17 @@ class Exposed:
         return self.attacker_wb
 
     def knowledge(self, i: int) -> Exposure:
-        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure)."""
+        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure).
+
+        The naive attacker (``knows_defense=False``) holds the original weights and does not know the
+        noise sigma or the storage format's error: inexact states then get the nearest neighbour on the
+        gradient shortlist. The pooling stays known either way: a pooled exposure has no per-position
+        states for any other attack to read."""
         pooling = None if self.chain.per_position else chain_members(self.chain)[-1]
         tying = find_member(self.chain, "tying")
         groups = tying.groups() if tying is not None and self.exact[i] else None  # exact: it holds the tied model
-        return Exposure(sigma=self.sigmas[i], exact=self.exact[i], pooling=pooling, groups=groups)
+        sigma = self.sigmas[i] if self.knows_defense else 0.0
+        return Exposure(sigma=sigma, exact=self.exact[i], pooling=pooling, groups=groups)
 
 
 def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, seed: int,
@@ -86,7 +93,8 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
             norms.append([None] * len(ids))
             exact.append(False)
     served_shape = chain.served_shape_matters and attacker.model is served.model  # it holds the served weights
-    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, served_shape)
+    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, served_shape,
+                   knows_defense)
 
 
 def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):

@@ -269,7 +269,7 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     if tracker is not None:
         tracker.log_metrics(tracker.parent_id, flat_metrics(results))
     plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
-    if "softmax-head" in attack_names and chain.name != "none":
+    if "softmax-head" in attack_names and chain.name != "none" and config.knows_defense:
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
     options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
                             policy=config.policy, max_candidates=config.radius_budget or None)
@@ -461,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "nearest so far (0 = the whole vocabulary: ~100 s per position at smollm2's last layer when "
                         "no candidate falls inside the noise radius, e.g. sigma 10 there)")
     a.add_argument("--no-knows-defense", dest="knows_defense", action="store_false",
-                   help="the attacker holds only the original weights")
+                   help="the naive attacker: the original weights only, not the noise sigma or the storage "
+                        "format's error (inexact states: nearest neighbour on the gradient shortlist), and no "
+                        "softmax head trained on defended states")
     a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS.head_tokens,
                    help="softmax-head training corpus tokens")
     a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS.head_epochs)

@@ -414,6 +414,11 @@ def test_stored_activations_are_decoded_as_noise_of_their_own_error(llama, kind)
                      llama.tokenizer)[0]
     assert inv.ids == ids
     assert make_defense("quant", weights="int8").noise_sigma(states) == 0.0  # exact exposure: no error
+    naive = expose(chain, llama, clean_wb, 2, [ids], seed=0, knows_defense=False)
+    assert naive.sigmas == exposed.sigmas  # the exposure is the same; the naive attacker does not know its error
+    assert naive.knowledge(0).sigma == 0.0 and strongest(naive.knowledge(0), AttackOptions()) == "nn-gradient"
+    noisy = expose(make_chain("noise", sigma=0.5), llama, clean_wb, 2, [ids], seed=0, knows_defense=False)
+    assert strongest(noisy.knowledge(0), AttackOptions()) == "nn-gradient"
 
 
 def test_the_tied_attacker_recovers_the_group_and_the_prior_picks_the_member(llama):

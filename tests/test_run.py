@@ -174,3 +174,19 @@ def test_tying_reports_group_recovery_and_how_often_the_member_is_right(tmp_path
     assert "group_accuracy" not in bench.run_benchmark(
         model="tiny-llama", defense="none", attacks="sipit", n_prompts=1, length=4, utility_tokens=0,
         margin_positions=0, track=False, progress=False, out=tmp_path / "clean", log=lambda *a, **k: None)["attacks"]["sipit"]
+
+
+def test_the_naive_attacker_knows_neither_sigma_nor_the_defended_head(tmp_path):
+    """--no-knows-defense: SipIt does not know the noise (nearest neighbour on the gradient shortlist,
+    not the radius decoder) and no softmax head is trained on defended states."""
+    runs = {}
+    for flag in ([], ["--no-knows-defense"]):
+        out = tmp_path / ("naive" if flag else "adaptive")
+        assert bench.main(SMALL + flag + ["--defense", "noise", "--sigma-rel", "0.05", "--attacks", "sipit,softmax-head",
+                                          "--margin-positions", "0", "--no-tracking", "--out", str(out)]) == 0
+        runs[bool(flag)] = json.loads((out / "results.json").read_text())
+    adaptive, naive = runs[False], runs[True]
+    assert "softmax-head-adaptive" in adaptive["attacks"] and "softmax-head-adaptive" not in naive["attacks"]
+    assert naive["defense"]["sigma_abs_median"] == adaptive["defense"]["sigma_abs_median"] > 0  # the same exposure
+    assert adaptive["attacks"]["sipit"]["decoder"] == "NearestNeighbour(nn-heuristic)"  # the radius decoder
+    assert naive["attacks"]["sipit"]["decoder"] == "NearestNeighbour(nn-shortlist)"  # the gradient shortlist

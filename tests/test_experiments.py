@@ -71,7 +71,7 @@ def test_quant_recovery_refuses_an_unknown_format_before_writing(tmp_path, capsy
     assert not (tmp_path / "q").exists()
 
 
-def test_defense_report_exposure_noise_costs_no_perplexity(tmp_path):
+def test_defense_report_prices_exposure_noise_by_its_use_not_by_the_served_model(tmp_path):
     assert defense_report.main(["--model", "tiny-llama", "--layer", "2", "--n-tokens", "64",
                                 "--only", "none,noise", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "report.json").read_text())
@@ -79,4 +79,9 @@ def test_defense_report_exposure_noise_costs_no_perplexity(tmp_path):
     for row in rows:
         exposure_only = row["defense"] == "none" or "placement=exposure" in row["setting"]
         assert (row["ppl_rel_increase"] == 0) == exposure_only, row
-    assert "| defence | setting |" in (tmp_path / "report.md").read_text()
+    loud = next(r for r in rows if r["setting"] == "sigma=1.0, relative_to=rms, placement=exposure")
+    assert loud["uses"]["continued"]["loss"] > 0.01  # free for the served model, not for inference continued from it
+    report = (tmp_path / "report.md").read_text()
+    assert "| defence | setting |" in report and "continued: ppl rel. increase" in report
+    line = next(x for x in report.splitlines() if "sigma=1.0, relative_to=rms, placement=exposure" in x)
+    assert f"{loud['uses']['continued']['loss']:+.3f}" in line and line.count("n/a") == 0

@@ -1,5 +1,10 @@
 """Utility-cost table of every defence setting on one model: ``python -m benchmarks.experiments.defense_report``.
 
+Each setting is priced for every use of the states (defenses.utility.utility_cost): the served
+model's perplexity, inference continued from the exposed states, an embedding store of defended
+sentence vectors (recall@1 lost) and linear probes trained on clean states (accuracy lost); "n/a"
+where a use does not apply (continued inference from a pooled exposure).
+
 Prints a markdown table and writes it (``report.md``) with the JSON rows (``report.json``) to ``--out``. Run it under
 the CPU lock: ``flock /tmp/sipit-heavy.lock .venv/bin/python -m benchmarks.experiments.defense_report``.
 """
@@ -20,12 +25,12 @@ SETTINGS: list[tuple[str, dict]] = [
     ("none", {}),
     *[("noise", {"sigma": s, "relative_to": "rms", "placement": p}) for p in ("exposure", "model") for s in (0.01, 0.1, 1.0)],
     *[("quant", {"weights": w}) for w in ("int8", "nf4", "fp4")],
-    *[("quant", {"weights": "none", "activations": a}) for a in ("int8", "nf4")],
+    *[("quant", {"weights": "none", "activations": a}) for a in ("int8", "nf4", "fp4")],
     *[("tying", {"groups": g}) for g in (512, 2048)],
     *[("tying", {"rare": m}) for m in (10000, 30000)],
     ("pooling", {"mode": "mean", "over": "all"}),
     ("pooling", {"mode": "max", "over": "all"}),
-    ("pooling", {"mode": "mean", "over": "window", "k": 4}),
+    *[("pooling", {"mode": m, "over": "window", "k": k}) for m in ("mean", "max") for k in (2, 4)],
     ("pooling", {"mode": "mean", "over": "dims", "g": 4}),
 ]
 
@@ -51,14 +56,24 @@ def run(model: str, layer: int, n_tokens: int, seed: int, only: list[str] | None
     return rows
 
 
+def use_loss(row: dict, use: str, spec: str) -> str:
+    """The loss of ``use`` in a report row, formatted; "n/a" where the use does not apply."""
+    found = row.get("uses", {}).get(use)
+    if not found or not found.get("applicable") or found.get("loss") is None:
+        return "n/a"
+    return format(found["loss"], spec)
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| defence | setting | ppl | ppl rel. increase | top-1 agreement | state rel. L2 | state cosine "
-            "| exposure shape | seconds |\n|---|---|---|---|---|---|---|---|---|")
+    head = ("| defence | setting | served ppl | served: ppl rel. increase | served: top-1 agreement "
+            "| continued: ppl rel. increase | store: recall@1 lost | probing: accuracy lost | state rel. L2 "
+            "| state cosine | exposure shape | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['defense']} | {r['setting']} | {r['ppl_served']:.2f} | {r['ppl_rel_increase']:+.3f} | "
-            f"{r['top1_agreement']:.3f} | {_fmt(r['state_rel_l2'])} | {_fmt(r['state_cosine'], 4)} | "
+            f"{r['top1_agreement']:.3f} | {use_loss(r, 'continued', '+.3f')} | {use_loss(r, 'embedding_store', '.3f')} | "
+            f"{use_loss(r, 'probing', '.3f')} | {_fmt(r['state_rel_l2'])} | {_fmt(r['state_cosine'], 4)} | "
             f"{tuple(r['exposure_shape'])} | {r['total_seconds']:.1f} |"
         )
     return "\n".join(lines)

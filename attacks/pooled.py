@@ -169,9 +169,10 @@ class PooledBeamAttack:
 
     # ---------------------------------------------------------------------------- search
     def _candidates(self, hyp: _Hyp, vocab: int, device, learned: bool, t: int, tgt: torch.Tensor,
-                    k_eff: int | None) -> torch.Tensor:
+                    k_eff: int | None, fill: torch.Tensor | None) -> torch.Tensor:
         """The whole vocabulary (small ones), else the prior's top-k, with ``learned`` also the
-        proposals' top ``head_k`` at the position's proxy state (module docstring)."""
+        proposals' top ``head_k`` at the position's proxy state (module docstring; ``fill``: the
+        step's :meth:`_fill`)."""
         if vocab <= self.full_vocab_limit or ((hyp.prior is None or hyp.prior.logprobs is None) and not learned):
             return torch.arange(vocab, device=device)
         parts = []
@@ -180,7 +181,6 @@ class PooledBeamAttack:
         if learned:
             proxy = tgt
             if self.pooling.mode == "mean" and k_eff is not None:  # this position's state, estimated
-                fill = self._fill(t, k_eff - hyp.n_in - 1, learned, tgt)
                 proxy = k_eff * tgt - (0 if hyp.acc is None else hyp.acc) - (0 if fill is None else fill)
             if t == 0:
                 scores = -(self.proposals.table.states - proxy.to(self.proposals.table.states.device)).pow(2).sum(1)
@@ -222,7 +222,7 @@ class PooledBeamAttack:
             fill = self._fill(t, (k_eff or 0) - n, learned, tgt)
             tried = 0
             for h_index, hyp in enumerate(beams):
-                cands = self._candidates(hyp, vocab, whitebox.device, learned, t, tgt, k_eff)
+                cands = self._candidates(hyp, vocab, whitebox.device, learned, t, tgt, k_eff, fill)
                 prior_lp = hyp.prior.logprobs if (hyp.prior is not None and hyp.prior.logprobs is not None) else None
                 for part in cands.split(self.chunk):
                     batch = whitebox.step(hyp.prefix, part)

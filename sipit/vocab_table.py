@@ -116,10 +116,13 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
     ``proposals_from`` has the same :func:`states_fingerprint` (module docstring)."""
     whitebox = whitebox.at_served_shape(None)
     keys = _row_keys(whitebox)
-    first_of: dict[bytes, int] = {}  # distinct row -> the first token that has it
+    row_of: dict[bytes, int] = {}  # distinct input row -> its index among the distinct rows
+    first: list[int] = []  # the first token with each distinct row
     for token, key in enumerate(keys):
-        first_of.setdefault(key, token)
-    distinct = list(first_of)
+        if key not in row_of:
+            row_of[key] = len(first)
+            first.append(token)
+    distinct = list(row_of)
     states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
     todo = list(range(len(distinct)))
     original = whitebox.proposals_from
@@ -132,11 +135,10 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
             states[shared] = table[[theirs[distinct[i]] for i in shared]].to(states)
             todo = [i for i in todo if distinct[i] not in theirs]
     if todo:
-        ids = torch.tensor([first_of[distinct[i]] for i in todo], dtype=torch.long)
+        ids = torch.tensor([first[i] for i in todo], dtype=torch.long)
         states[todo] = sweep_states(whitebox, whitebox.prefix_cache([], layer), ids=ids, chunk=chunk,
                                     progress=progress, desc=f"position-0 table l={layer}")
-    index = {key: i for i, key in enumerate(distinct)}
-    return states[torch.tensor([index[key] for key in keys], dtype=torch.long, device=whitebox.device)]
+    return states[torch.tensor([row_of[key] for key in keys], dtype=torch.long, device=whitebox.device)]
 
 
 def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True, progress: bool = False,

@@ -32,12 +32,19 @@ A head is cached in memory by the WhiteBox (``WhiteBox.memo``) and on disk under
 malformed file is rebuilt. The corpus states (the costly part: a forward pass over the corpus)
 are cached as well (``cache_dir() / "head-corpus"``, fp16, keyed by weights, layer and corpus ids),
 so further heads of the same layer (other noise levels) cost only their fit.
+
+Noise levels share heads on the grid {1, 1.5, 2, 3, 5, 7} x 10^k (:func:`head_noise`, nearest in
+log sigma; it holds the round sigmas sweeps use): sigma relative to each prompt's RMS gives every
+prompt of a run its own absolute sigma, and a fit per prompt (minutes at smollm2's deep layers) would
+cost more than the inversion. A head trained within a factor sqrt(5/3) (1.29) of the exposure's sigma
+is assumed to rank about as well (not measured); it only orders candidates.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -123,6 +130,21 @@ class InverseHead(nn.Module):
     def log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """log q(v | h) = log_softmax(s(h) / tau)."""
         return torch.log_softmax(self.cosines(h) / self.temperature, dim=-1)
+
+
+#: mantissas of the noise grid of the heads (module docstring)
+NOISE_GRID = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+
+
+def head_noise(sigma: float) -> float:
+    """The grid sigma g x 10^k (g in NOISE_GRID) nearest to ``sigma`` in log scale, the level a
+    noise-adapted head is trained at; 0 for sigma <= 0."""
+    if not sigma > 0:
+        return 0.0
+    k = math.floor(math.log10(sigma))
+    points = [g * 10.0**e for e in (k, k + 1) for g in NOISE_GRID]
+    best = min(points, key=lambda p: abs(math.log(p / sigma)))
+    return float(f"{best:.6g}")  # 0.1, not 0.10000000000000002: the value keys the cache
 
 
 def true_ranks(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 from scipy.stats import chi2
 
 from attacks.policies import CandidatePolicy, GradientPolicy, LearnedPolicy, StepContext
-from attacks.proposals import HeadConfig
+from attacks.proposals import HeadConfig, head_noise
 from attacks.result import Inversion, PositionRecord
 from attacks.sipit import verify
 from attacks.surrogate import LinearSurrogate, SurrogateFit
@@ -152,11 +152,12 @@ class CandidateScorer:
         self._learned: LearnedPolicy | None = None
 
     def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
-        """The inverse heads of ``ranking="learned"``, adapted to noise ``sigma`` (attacks.proposals;
-        one-time per model, layer and sigma); nothing for the other rankings."""
+        """The inverse heads of ``ranking="learned"``, adapted to noise ``sigma`` rounded to the heads'
+        grid (attacks.proposals.head_noise; one-time per model, layer and grid sigma); nothing for the
+        other rankings."""
         if self.ranking != "learned":
             return []
-        self._learned = LearnedPolicy(replace(self.head_config, noise=float(sigma)))
+        self._learned = LearnedPolicy(replace(self.head_config, noise=head_noise(float(sigma))))
         return self._learned.prepare(whitebox, layer, tokenizer)
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,

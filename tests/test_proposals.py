@@ -247,3 +247,31 @@ def test_a_served_copy_ranks_with_its_originals_heads_and_still_recovers_exactly
     prompt = prompt_set(loaded.tokenizer, 1, length=10, seed=9)[0]
     inv = SipIt(borrowed).invert(copy.states(prompt.ids, 2), copy, 2, loaded.tokenizer)
     assert inv.ids == prompt.ids and inv.all_verified
+
+
+def test_noise_levels_share_heads_on_a_grid_that_holds_round_sigmas():
+    """head_noise: nearest grid point in log sigma, so nearby per-prompt sigmas share one head; the round
+    sigmas of sweeps keep their own level; a decoder's learned shortlist asks for the grid level."""
+    import math
+
+    from attacks.proposals import NOISE_GRID, head_noise
+    from attacks.robust import CandidateScorer
+
+    for sigma in (0.001, 0.05, 0.1, 3.0, 10.0, 30.0, 100.0, 1.5e3):
+        assert head_noise(sigma) == sigma
+    assert head_noise(0.0) == 0.0 and head_noise(-1.0) == 0.0
+    sigmas = [10 ** (e / 50) for e in range(-150, 151)]
+    levels = [head_noise(s) for s in sigmas]
+    assert levels == sorted(levels)  # monotone
+    assert len(set(levels)) == 6 * 6 + 1  # six levels per decade over six decades, plus the last end point
+    worst = max(abs(math.log(g / s)) for g, s in zip(levels, sigmas))
+    assert worst <= 0.5 * math.log(5 / 3) + 1e-9  # never further than the widest gap's midpoint
+    assert {round(g / 10 ** math.floor(math.log10(g) + 1e-9), 6) for g in levels} == set(NOISE_GRID)
+    quick = HeadConfig(n_text=512, n_random=256, n_pairs=512, min_steps=20, epochs=1)
+    loaded = load_model("tiny-llama")
+    first, second = CandidateScorer(ranking="learned", head_config=quick), CandidateScorer(ranking="learned",
+                                                                                          head_config=quick)
+    first.prepare(WhiteBox(loaded.model), -1, loaded.tokenizer, sigma=0.0123)
+    assert first._learned.head_config.noise == 0.015
+    second.prepare(WhiteBox(loaded.model), -1, loaded.tokenizer, sigma=0.0139)  # another prompt's sigma
+    assert all(report.cached for _, report in second._learned.heads.values())  # the same heads, from disk

@@ -98,7 +98,7 @@ class RunConfig:
     layer: int = -1
     defenses: tuple[str, ...] = ("none",)
     attacks: tuple[str, ...] = ("sipit", "softmax-head", "inverse-head")
-    robust: str = "radius"
+    robust: str = "map"
     policy: str = "learned"
     beam_width: int = 4
     radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)

@@ -16,11 +16,13 @@ builds and :func:`run_benchmark` runs; the measurement itself goes through bench
 Attacks (``--attacks``, comma list):
 
 - ``sipit``: the strongest SipIt form that knows the defence, chosen by attacks.registry
-  (``strongest``): exact SipIt on exact exposure; under Gaussian noise the ``--robust`` decoder
-  given the defence's absolute sigma (``radius``, the default: SipIt's own loop accepting the first
-  token within the chi^2 noise radius, else the nearest of ``--radius-budget`` candidates; ``map``;
-  ``beam``; ``shortlist``; docs/noise.md); nearest neighbour on the gradient shortlist for inexact
-  noise-free states (quantised activations); the pooled beam search on pooled exposure.
+  (``strongest``): exact SipIt on exact exposure; under Gaussian noise (and for stored activations,
+  whose format error the attacker knows as a sigma) the ``--robust`` decoder given that absolute
+  sigma (``map``, the default: greedy MAP on the shortlist; ``beam``; ``shortlist``; ``radius``: SipIt's
+  own loop accepting the first token within the chi^2 noise radius, else the nearest of
+  ``--radius-budget`` candidates; docs/noise.md); nearest neighbour on the gradient shortlist for
+  inexact states whose error the attacker does not know (``--no-knows-defense``); the pooled beam
+  search on pooled exposure.
 - ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
   (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
   ``softmax-head-adaptive`` trained on states passed through the defence's exposure.
@@ -448,9 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-dims", help="pooling: pool groups of g hidden dims")
     a = p.add_argument_group("attacks")
     a.add_argument("--attacks", default=",".join(DEFAULTS.attacks), help=f"comma list from: {', '.join(RUN_ATTACKS)}")
-    a.add_argument("--robust", default="radius", choices=tuple(ROBUST), help="decoder under Gaussian noise: radius = SipIt's loop stopping at the first token inside "
-                   "the chi-square noise radius (heuristic), map = greedy MAP, beam = MAP beam search with "
-                   "backtracking, shortlist = nearest neighbour on MAP's shortlist (attacks.registry.ROBUST)")
+    a.add_argument("--robust", default=DEFAULTS.robust, choices=tuple(ROBUST),
+                   help="decoder under Gaussian noise (and stored activations' error): map = greedy MAP on the "
+                        "shortlist (noise-adapted inverse heads + prior with --policy learned; the heads are "
+                        "trained once per noise level and layer, attacks.proposals.head_noise), beam = MAP beam search with backtracking, "
+                        "shortlist = nearest neighbour on MAP's shortlist, radius = SipIt's loop stopping at the "
+                        "first token inside the chi-square noise radius (cheap; it can take a wrong token once "
+                        "~14 sigma exceeds the margins, attacks.registry)")
     a.add_argument("--policy", default=DEFAULTS.policy, choices=sorted(POLICIES),
                    help="candidate order of exact SipIt and of the radius decoder under noise: learned (position-0 "
                         "table and inverse heads: trained once per model and layer, then ~10 candidates per "

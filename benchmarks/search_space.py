@@ -126,7 +126,11 @@ def report_group(family: str, params: dict) -> str:
 
 # --------------------------------------------------------------------------- evaluation
 class TrialContext:
-    """What every trial of one worker shares: model, layer, prompts, seeds, budgets."""
+    """What every trial of one worker shares: model, layer, prompts, seeds, budgets.
+
+    ``robust`` stays the radius decoder, not the main job's MAP: MAP's learned shortlist needs inverse
+    heads adapted to each trial's sigma (minutes per sigma on smollm2), which the trial budget does not
+    hold; under large noise the radius decoder is the weaker attacker (docs/search.md)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = "radius", utility_use: str = "served",

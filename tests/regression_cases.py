@@ -78,10 +78,11 @@ SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
 #: override them: the run's defaults later became 20 x 20 tokens, the learned order and the
 #: inverse-head baseline, which would change every recorded candidate count.
 RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--margin-positions", "1",
-              "--radius-budget", "0")
-#: per command, the flags given before a case's own (defaults that changed after the recording):
-#: the search's threshold then applied to the point estimate (--bound point) and its SipIt ordered
-#: candidates by the gradient (--policy gradient)
+              "--radius-budget", "0", "--robust", "radius")
+#: per command, the flags given before a case's own (defaults that changed after the recording): the
+#: main job's decoder under noise (--robust radius; map since 2026-12-06); the search's threshold then
+#: applied to the point estimate (--bound point) and its SipIt ordered candidates by the gradient
+#: (--policy gradient)
 PINNED = {"run": RUN_PINNED, "search": ("--bound", "point", "--policy", "gradient")}
 #: bitsandbytes' CPU 4-bit kernels round differently on different CPUs: the same commit (5190fb1) gave
 #: an nf4-served tiny-llama perplexity 0.017% apart and states 0.5% apart (state_rel_l2 0.2159 vs

@@ -89,8 +89,10 @@ def test_policy_option_reaches_exact_sipit_and_is_checked():
     assert "policy" not in config.record() and RunConfig().record()["policy"] == "learned"
     assert RunConfig().hash() == _config_from_cli().hash() != config.hash()
     assert build("sipit", Exposure(), AttackOptions(policy="learned")).name == "sipit-learned"
-    radius = build("sipit", Exposure(sigma=0.5), AttackOptions(policy="learned"))
+    radius = build("sipit", Exposure(sigma=0.5), AttackOptions(policy="learned", robust="radius"))
     assert radius.name == "nn-heuristic" and radius.scorer.policy.name == "learned"  # the radius decoder's order
+    default = build("sipit", Exposure(sigma=0.5), AttackOptions(policy="learned"))
+    assert default.name == "map" and default.scorer.ranking == "learned"  # MAP on the noise-adapted heads' shortlist
     with pytest.raises(UsageError, match="--policy"):
         RunConfig(policy="psychic").validate()
 
@@ -100,8 +102,8 @@ def test_radius_budget_caps_the_radius_decoder_and_is_recorded_only_when_set():
 
     assert RunConfig().radius_budget == 1024 and RunConfig().record()["radius_budget"] == 1024
     assert "radius_budget" not in _config_from_cli("--radius-budget", "0").record()  # runs before the option
-    radius = build("sipit", Exposure(sigma=0.5), AttackOptions(max_candidates=_config_from_cli("--radius-budget", "64")
-                                                                .radius_budget))
+    radius = build("sipit", Exposure(sigma=0.5), AttackOptions(robust="radius", max_candidates=_config_from_cli(
+        "--radius-budget", "64").radius_budget))
     assert radius.scorer.max_candidates == 64
     with pytest.raises(UsageError, match="--radius-budget"):
         RunConfig(radius_budget=-1).validate()

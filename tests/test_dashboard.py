@@ -25,7 +25,7 @@ def _dataset(client: MlflowClient, run_id: str):
 def test_parent_run_has_every_attack_under_one_name_and_the_prompts_as_its_dataset(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     results = run_benchmark(model="tiny-llama", defense="noise", sigma_rel=0.01, attacks="sipit,softmax-head,inverse-head",
-                            n_prompts=2, length=6, head_tokens=256, head_epochs=2, margin_positions=2,
+                            robust="radius", n_prompts=2, length=6, head_tokens=256, head_epochs=2, margin_positions=2,
                             utility_tokens=64, tracking_uri=uri, experiment="dash", out=tmp_path / "out", **QUIET)
     client = MlflowClient(tracking_uri=uri)
     run_id = results["tracking"]["run_id"]
@@ -80,7 +80,8 @@ def test_sweep_parent_run_draws_each_attack_against_the_setting(tmp_path, capsys
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     argv = ["--model", "tiny-llama", "--n-prompts", "2", "--length", "6", "--attacks", "sipit,inverse-head",
             "--utility-tokens", "64", "--margin-positions", "2", "--no-progress", "--defense", "noise",
-            "--sigma-rel", "0.01,30", "--tracking-uri", uri, "--experiment", "swept", "--out", str(tmp_path / "sweep")]
+            "--sigma-rel", "0.01,30", "--robust", "radius", "--tracking-uri", uri, "--experiment", "swept",
+            "--out", str(tmp_path / "sweep")]
     assert bench.main(argv) == 0
     summary = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     client = MlflowClient(tracking_uri=uri)

@@ -20,7 +20,8 @@ def test_report_marks_each_recovered_and_wrong_token_as_the_results_say(tmp_path
         "Bob is 42 and lives in Leeds.": [{"kind": "name", "text": "Bob"}, {"kind": "number", "text": "42"}],
         "Anna paid 17 dollars to Carl.": [{"kind": "name", "text": "Anna"}, {"kind": "number", "text": "17"}]}))
     assert bench.main(["--model", "tiny-gpt2", "--prompts", str(prompts), "--n-prompts", "2", "--length", "6",
-                       "--defense", "noise", "--sigma-rel", "1", "--attacks", "sipit", "--utility-tokens", "64",
+                       "--defense", "noise", "--sigma-rel", "1", "--robust", "radius", "--attacks", "sipit",
+                       "--utility-tokens", "64",
                        "--margin-positions", "2", "--no-tracking", "--no-progress", "--out", str(out)]) == 0
     page = (out / "report.html").read_text()
     results = json.loads((out / "results.json").read_text())

@@ -32,7 +32,7 @@ def test_cli_end_to_end_noise_then_mlflow_reads_back(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "finished"
     sipit, head = results["attacks"]["sipit"], results["attacks"]["softmax-head"]
-    assert sipit["decoder"].startswith("NearestNeighbour") and sipit["n_tokens"] == 24
+    assert sipit["decoder"] == "MapDecoder(map)" and sipit["n_tokens"] == 24  # the default decoder under noise
     # Noise well inside Delta/2 (theorem regime): SipIt recovers, the fixed head does not.
     assert results["margins"]["median_noise_norm"] < results["margins"]["median_half_delta"]
     assert sipit["token_accuracy"] >= 0.95 and sipit["token_accuracy"] > head["token_accuracy"]
@@ -178,7 +178,7 @@ def test_tying_reports_group_recovery_and_how_often_the_member_is_right(tmp_path
 
 def test_the_naive_attacker_knows_neither_sigma_nor_the_defended_head(tmp_path):
     """--no-knows-defense: SipIt does not know the noise (nearest neighbour on the gradient shortlist,
-    not the radius decoder) and no softmax head is trained on defended states."""
+    not MAP with the noise sigma) and no softmax head is trained on defended states."""
     runs = {}
     for flag in ([], ["--no-knows-defense"]):
         out = tmp_path / ("naive" if flag else "adaptive")
@@ -188,5 +188,5 @@ def test_the_naive_attacker_knows_neither_sigma_nor_the_defended_head(tmp_path):
     adaptive, naive = runs[False], runs[True]
     assert "softmax-head-adaptive" in adaptive["attacks"] and "softmax-head-adaptive" not in naive["attacks"]
     assert naive["defense"]["sigma_abs_median"] == adaptive["defense"]["sigma_abs_median"] > 0  # the same exposure
-    assert adaptive["attacks"]["sipit"]["decoder"] == "NearestNeighbour(nn-heuristic)"  # the radius decoder
+    assert adaptive["attacks"]["sipit"]["decoder"] == "MapDecoder(map)"  # the default decoder under noise
     assert naive["attacks"]["sipit"]["decoder"] == "NearestNeighbour(nn-shortlist)"  # the gradient shortlist

@@ -8,8 +8,10 @@ from mlflow import MlflowClient
 
 from benchmarks import run as bench
 
+# --robust radius: the cheap decoder under noise (MAP trains noise-adapted heads per sigma); these tests
+# are about sweeps, not about which decoder is strongest
 SMALL = ["--model", "tiny-gpt2", "--layer", "-1", "--n-prompts", "2", "--length", "6", "--attacks", "sipit",
-         "--utility-tokens", "64", "--margin-positions", "2", "--no-progress"]
+         "--utility-tokens", "64", "--margin-positions", "2", "--no-progress", "--robust", "radius"]
 
 
 def test_sigma_sweep_one_parent_run_a_row_per_setting_and_a_rerun_skips_finished(tmp_path, capsys):

@@ -58,7 +58,7 @@ def _get(url: str) -> dict:
 def test_mlflow_server_serves_the_benchmark_run(tmp_path):
     store = tmp_path / "store"
     uri = f"sqlite:///{store / 'mlflow.db'}"
-    results = run_benchmark(model="tiny-gpt2", defense="noise", sigma_rel=0.05, n_prompts=1, length=6,
+    results = run_benchmark(model="tiny-gpt2", defense="noise", sigma_rel=0.05, robust="radius", n_prompts=1, length=6,
                             attacks="sipit,softmax-head", head_tokens=512, head_epochs=5, margin_positions=0,
                             utility_tokens=0,
                             tracking_uri=uri, experiment="served", out=tmp_path / "out", progress=False,

@@ -75,10 +75,14 @@ def _resilient_rdb_class():
     from optuna.storages import RDBStorage
 
     class ResilientRDBStorage(RDBStorage):
-        """RDBStorage whose heartbeat thread outlives a database outage.
+        """RDBStorage whose heartbeat thread outlives a database outage, and whose orphans go stale.
 
         Optuna's heartbeat thread dies at the first failed write, and the trial then goes stale while
         its worker is still computing; here a failed beat is skipped and the next one tries again.
+        A worker that loses the database between creating a trial and its first beat leaves a RUNNING
+        trial with no heartbeat row, which Optuna never fails, so every worker then waits for it
+        forever; such a trial is stale once it started more than two grace periods ago (by the
+        workers' clocks, as the journal storage's heartbeats are).
         """
 
         def record_heartbeat(self, trial_id: int) -> None:
@@ -86,6 +90,27 @@ def _resilient_rdb_class():
                 super().record_heartbeat(trial_id)
             except storage_errors():
                 pass
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            from datetime import datetime, timedelta, timezone
+
+            from optuna.storages._rdb import models
+            from optuna.storages._rdb.storage import _create_scoped_session
+            from optuna.trial import TrialState
+
+            stale = super()._get_stale_trial_ids(study_id)
+            # Optuna 5 stores trial datetimes as naive UTC (the column behind TrialModel.datetime_start)
+            cutoff = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(seconds=2 * self.grace_period)
+            with _create_scoped_session(self.scoped_session) as session:
+                orphans = (session.query(models.TrialModel.trial_id)
+                           .outerjoin(models.TrialHeartbeatModel,
+                                      models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id)
+                           .filter(models.TrialModel.study_id == study_id,
+                                   models.TrialModel.state == TrialState.RUNNING,
+                                   models.TrialHeartbeatModel.trial_heartbeat_id.is_(None),
+                                   models.TrialModel._datetime_start_utc < cutoff)
+                           .all())
+            return stale + [trial_id for (trial_id,) in orphans if trial_id not in stale]
 
     return ResilientRDBStorage
 

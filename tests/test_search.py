@@ -253,6 +253,30 @@ def test_requeue_copies_parameters_once_and_nothing_else(tmp_path):
     assert waiting[0].system_attrs["retry_history"] == [0]
 
 
+def test_a_running_trial_that_never_beat_goes_stale_on_a_database(tmp_path):
+    """A worker that lost the database between creating a trial and its first heartbeat left it RUNNING
+    with no heartbeat row; Optuna never failed it and both workers of a study waited for it forever
+    (CI, 2026-12-06). Such a trial is stale after two grace periods; a fresh one and a beating one are not."""
+    import datetime
+
+    storage = search.open_storage(f"sqlite:///{tmp_path / 'orphans.db'}", heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(storage=storage, study_name="orphans")
+
+    def running(seconds_ago: float) -> int:
+        trial = optuna.trial.create_trial(state=TrialState.RUNNING, params={"noise.sigma": 0.5},
+                                          distributions={"noise.sigma": optuna.distributions.FloatDistribution(0.1, 1)})
+        trial.datetime_start = datetime.datetime.now() - datetime.timedelta(seconds=seconds_ago)
+        return storage.create_new_trial(study._study_id, template_trial=trial)
+
+    orphan, fresh, beating = running(10), running(1), running(10)
+    storage.record_heartbeat(beating)
+    optuna.storages.fail_stale_trials(study)
+    states = {t._trial_id: t.state for t in study.get_trials(deepcopy=False)}
+    assert states[orphan] == TrialState.FAIL and states[fresh] == states[beating] == TrialState.RUNNING
+    waiting = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
+    assert len(waiting) == 1 and waiting[0].params == {"noise.sigma": 0.5}  # re-queued like any stale trial
+
+
 def test_rerun_draws_new_settings_instead_of_replaying_the_first_run(tmp_path):
     """The rerun's sampler used the first run's seed, so it drew trial 0's setting again (re-used at 0.0 s)."""
     storage = str(tmp_path / "r.journal")

@@ -232,8 +232,10 @@ def test_database_stopped_and_restarted_mid_study(postgres, searches, tmp_path):
     wait_until(outage_seen, 60, "a worker to report the outage and wait")  # the database stays down until then
     time.sleep(2)
     postgres.start()
-    assert s.finish(timeout=200) == [0, 0]
+    codes = s.finish(timeout=200)
     trials = s.trials()
+    assert codes == [0, 0], "\n".join([f"trial {t.number}: {t.state.name} {t.system_attrs.get('retry_history')}"
+                                        for t in trials] + [s.output(p)[-3000:] for p in workers])
     _assert_complete_once(trials, n)
     files = {int(p.stem.split("-")[1]) for p in (tmp_path / "out" / "trials").glob("trial-*.json")}
     assert {t.number for t in trials if t.state == TrialState.COMPLETE} <= files

@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--robust", default=DEFAULTS.robust, choices=tuple(ROBUST),
                    help="decoder under Gaussian noise (and stored activations' error): map = greedy MAP on the "
                         "shortlist (noise-adapted inverse heads + prior with --policy learned; the heads are "
-                        "trained once per noise level and layer, attacks.proposals.head_noise), beam = MAP beam search with backtracking, "
+                        "trained once per noise level and layer, attacks.proposals.head_noise), beam = MAP beam "
+                        "search with backtracking, "
                         "shortlist = nearest neighbour on MAP's shortlist, radius = SipIt's loop stopping at the "
                         "first token inside the chi-square noise radius (cheap; it can take a wrong token once "
                         "~14 sigma exceeds the margins, attacks.registry)")

@@ -237,6 +237,21 @@ def test_worker_gets_the_storage_through_its_environment_not_its_command_line():
     assert search.build_parser().parse_args(cmd[3:]).workers == 1
 
 
+def test_a_worker_process_is_given_the_study_configuration_it_will_be_checked_against():
+    """Every option stored in the study's configuration travels on the worker's command line: an
+    attached worker with a default in its place is refused (--startup-trials 30 with --workers 2 was)."""
+    import inspect
+
+    config = search.make_config(**FAST, mode="pareto", seed=3, prompts="mixed", tying_method="kmeans",
+                                experiment="e", utility_use="probing", policy="gradient", startup_trials=30)
+    cmd, _ = search.worker_process("s", 3, config, worker_index=1, storage="x.journal", tracking_uri=None,
+                                   track=False, heartbeat_interval=1, grace_period=3, storage_wait=5, out=Path("o"))
+    args = vars(search.build_parser().parse_args(cmd[3:]))
+    given = search.make_config(**{k: args[k] for k in inspect.signature(search.make_config).parameters})
+    search.check_same_config(config, given)  # raises SearchUsageError naming each differing key
+    assert given == config
+
+
 def test_requeue_copies_parameters_once_and_nothing_else(tmp_path):
     study = optuna.create_study(storage=search.open_storage(str(tmp_path / "q.journal")), study_name="q")
     drawn = study.ask()

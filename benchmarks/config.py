@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from attacks.policies import POLICIES
-from attacks.registry import ROBUST, RUN_ATTACKS
+from attacks.registry import ROBUST, RUN_ATTACKS, AttackOptions
 from benchmarks.cli import UsageError, check_float, check_int, check_names
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
@@ -98,9 +98,9 @@ class RunConfig:
     layer: int = -1
     defenses: tuple[str, ...] = ("none",)
     attacks: tuple[str, ...] = ("sipit", "softmax-head", "inverse-head")
-    robust: str = "map"
+    robust: str = AttackOptions.robust  # the registry's default decoder under noise, written once there
     policy: str = "learned"
-    beam_width: int = 4
+    beam_width: int = AttackOptions.beam_width
     radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)
     knows_defense: bool = True
     prompts: str = "mixed"

@@ -61,7 +61,8 @@ from benchmarks.search_processes import run_worker_processes, worker_process
 from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
 from attacks.policies import POLICIES
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, AttackBudget
+from attacks.registry import ROBUST
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
 from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
 from benchmarks.search_worker import run_worker
@@ -89,6 +90,7 @@ def run_search(
     utility_use: str = "continued",
     bound: str = "upper95",
     policy: str = "learned",
+    robust: str = SEARCH_ROBUST,
     startup_trials: int = 8,
     attacks: list[str] | str = "sipit",
     budget: AttackBudget | dict | None = None,
@@ -123,7 +125,7 @@ def run_search(
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment, bound=bound,
-                         policy=policy, startup_trials=startup_trials)
+                         policy=policy, startup_trials=startup_trials, robust=robust)
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
@@ -280,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="learned", choices=sorted(POLICIES),
                    help="candidate order of exact SipIt and of the radius decoder (attacks.policies; learned = "
                         "the inverse heads with the prior, trained once per model and layer)")
+    s.add_argument("--robust", default=SEARCH_ROBUST, choices=tuple(ROBUST),
+                   help="the decoder under noise (attacks.registry.ROBUST; docs/search.md says why the search's "
+                        "default differs from the main job's)")
     s.add_argument("--budget", type=_json_object, default=None,
                    help=f"attack budget JSON, default {AttackBudget().to_dict()}")
     s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")

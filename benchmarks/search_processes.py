@@ -77,7 +77,7 @@ def worker_process(study, n_trials, config, *, worker_index, storage, tracking_u
            "--n-prompts", str(config["n_prompts"]), "--length", str(config["length"]),
            "--utility-tokens", str(config["utility_tokens"]), "--utility-use", config.get("utility_use", "served"),
            "--bound", config.get("bound", "point"), "--policy", config.get("policy", "gradient"),
-           "--startup-trials", str(config.get("startup_trials", 8)),
+           "--startup-trials", str(config.get("startup_trials", 8)), "--robust", config.get("robust", "radius"),
            "--attacks", ",".join(config["attacks"]),
            "--sigma-low", repr(config["sigma_low"]), "--sigma-high", repr(config["sigma_high"]),
            "--tying-method", config["tying_method"], "--experiment", config["experiment"],

@@ -156,7 +156,7 @@ def format_report(report: dict) -> str:
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
              f"utility ({USE_NAMES[c.get('utility_use', 'served')]}) on {c['utility_tokens']} tokens; "
-             f"attacks {', '.join(c['attacks'])}", "",
+             f"attacks {', '.join(c['attacks'])} (under noise: {c.get('robust', 'radius')}, attacks.registry.ROBUST)", "",
              f"| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | "
              f"{'ppl increase' if short == 'ppl' else long} | "
              "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]

@@ -49,6 +49,8 @@ from attacks.registry import describe
 FAMILIES = ("noise", "quant", "tying", "pooling", "quant+noise")
 QUANT_MODES = ("int8", "nf4", "fp4", "act-int8", "act-nf4", "act-fp4", "nf4+act-nf4")
 SEARCH_ATTACKS = ("sipit", "softmax-head")
+#: the search's decoder under noise (attacks.registry.ROBUST): the main job's, see TrialContext
+SEARCH_ROBUST = "map"
 #: the uses a trial prices (every trial prices all of them; a study minimises one, ``utility_use``)
 UTILITY_USES = ("continued", "served", "embedding_store", "probing")
 
@@ -58,7 +60,8 @@ class AttackBudget:
     """How much each attack may spend per position (smaller = faster, weaker)."""
 
     k_prior: int = 16  # MAP / NN shortlist: the prior's top tokens
-    k_grad: int = 16  # ... plus this many gradient-ranked tokens
+    k_grad: int = 16  # ... plus this many gradient-ranked tokens (gradient ranking: nn-gradient)
+    k_proxy: int = 128  # ... or this many of the inverse heads + prior (learned ranking: MAP with --policy learned)
     pooled_beam: int = 4
     pooled_topk: int = 64
     radius_cap: int = 256  # the radius decoder's candidates per position at most (0: the vocabulary)
@@ -66,10 +69,10 @@ class AttackBudget:
     head_epochs: int = 8
 
     def shortlist(self) -> dict:
-        """CandidateScorer options: exactly k_prior + k_grad candidates per position (position 0 aside)."""
-        from attacks.robust import GRADIENT_SHORTLIST
-
-        return {"k_prior": self.k_prior, "k_grad": self.k_grad, **GRADIENT_SHORTLIST}
+        """CandidateScorer sizes: k_prior + k_grad (gradient ranking) or k_prior + k_proxy (learned ranking)
+        candidates per position before any widening, position 0 over the vocabulary; the ranking is the
+        registry's (attacks.registry: nn-gradient ranks by gradient, MAP and beam as the policy implies)."""
+        return {"k_prior": self.k_prior, "k_grad": self.k_grad, "k_proxy": self.k_proxy, "exact_positions": 1}
 
     def options(self, *, robust: str, seed: int, policy: str = "gradient"):
         """attacks.registry.AttackOptions within this budget (the shortlist decoders, the radius stop's cap
@@ -128,12 +131,15 @@ def report_group(family: str, params: dict) -> str:
 class TrialContext:
     """What every trial of one worker shares: model, layer, prompts, seeds, budgets.
 
-    ``robust`` stays the radius decoder, not the main job's MAP: MAP's learned shortlist needs inverse
-    heads adapted to each trial's sigma (minutes per sigma on smollm2), which the trial budget does not
-    hold; under large noise the radius decoder is the weaker attacker (docs/search.md)."""
+    ``robust`` is the decoder under noise, by default greedy MAP as in the main job. With the learned
+    policy its shortlist is the prior's top ``k_prior`` plus the top ``k_proxy`` of the inverse heads
+    trained with the trial's noise (attacks.proposals.head_noise levels: the first trial at a level
+    fits them, ~8 minutes at smollm2's last layer, later ones load them). Layer 30, 10 x 10 tokens,
+    exposure noise 0.4 x RMS: MAP 0.73, the radius stop 0.49, MAP on the gradient shortlist 0.27
+    (docs/search.md)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
-                 attacks: list[str], budget: AttackBudget, robust: str = "radius", utility_use: str = "served",
+                 attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",
                  policy: str = "gradient"):
         from sipit.whitebox import WhiteBox
 

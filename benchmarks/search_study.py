@@ -12,12 +12,12 @@ import math
 
 from benchmarks.search_errors import SearchUsageError
 from benchmarks.search_runs import PARENT_ATTR
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, UTILITY_USES, AttackBudget
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTILITY_USES, AttackBudget
 
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment", "bound", "policy", "startup_trials")
+               "experiment", "bound", "policy", "startup_trials", "robust")
 #: what the threshold constrains: the one-sided 95% Clopper-Pearson upper bound of the strongest attack's
 #: token accuracy (a claim the trial's tokens can make), or its point estimate (studies made before)
 BOUNDS = ("upper95", "point")
@@ -47,7 +47,7 @@ def check_budget(budget) -> dict:
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
-                bound="upper95", policy="learned", startup_trials=8) -> dict:
+                bound="upper95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST) -> dict:
     """Validated search configuration (everything that must agree between workers)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
@@ -81,13 +81,17 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
 
     if policy not in POLICIES:
         raise SearchUsageError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {policy!r}")
+    from attacks.registry import ROBUST
+
+    if robust not in ROBUST:
+        raise SearchUsageError(f"--robust must be one of {', '.join(ROBUST)}, got {robust!r}")
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
                 sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
-                bound=bound, policy=policy, startup_trials=int(startup_trials))
+                bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):
@@ -134,10 +138,10 @@ def check_same_config(stored: dict, given: dict) -> None:
     """SearchUsageError naming every key on which the stored and the given configuration differ."""
     # studies stored before budgets were filled, before the utility use was chosen (they priced the served model),
     # before the bound (they constrained the point estimate), before the policy (gradient order) or before the
-    # radius decoder's cap (the vocabulary)
+    # radius decoder's cap (the vocabulary) or before the noise decoder was chosen (the radius decoder)
     budget = {"radius_cap": 0, **stored["budget"]} if stored.get("budget") else None
-    stored = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, **stored,
-              "budget": check_budget(budget)}
+    stored = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius",
+              **stored, "budget": check_budget(budget)}
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "

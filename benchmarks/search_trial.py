@@ -29,7 +29,8 @@ def trial_context(config: dict):
                                                   length=config["length"], seed=config["seed"]) if p.ids]
     return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
-                        utility_use=config.get("utility_use", "served"), policy=config.get("policy", "gradient"))
+                        utility_use=config.get("utility_use", "served"), policy=config.get("policy", "gradient"),
+                        robust=config.get("robust", "radius"))
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 # tiny-llama: bnb 4-bit linears with a bias (GPT-2) break the gradient ranking (in-place bias add), see docs/search.md
 FAST = dict(model="tiny-llama", layer=-1, families="noise,quant", n_prompts=1, length=4, utility_tokens=32,
             attacks="sipit", sigma_low=0.05, sigma_high=20.0, threshold=0.3, bound="point",
-            budget={"k_prior": 8, "k_grad": 8, "pooled_beam": 2, "pooled_topk": 16, "head_tokens": 256, "head_epochs": 2})
+            budget={"k_prior": 8, "k_grad": 8, "pooled_beam": 2, "pooled_topk": 16, "head_tokens": 256, "head_epochs": 2},
+            robust="radius")  # plumbing tests: MAP's noise-adapted heads cost ~1 min per noise level on tiny models
 
 
 def _trials(storage: str, study: str):
@@ -242,8 +243,9 @@ def test_a_worker_process_is_given_the_study_configuration_it_will_be_checked_ag
     attached worker with a default in its place is refused (--startup-trials 30 with --workers 2 was)."""
     import inspect
 
-    config = search.make_config(**FAST, mode="pareto", seed=3, prompts="mixed", tying_method="kmeans",
-                                experiment="e", utility_use="probing", policy="gradient", startup_trials=30)
+    config = search.make_config(**{**FAST, "robust": "beam"}, mode="pareto", seed=3, prompts="mixed",
+                                tying_method="kmeans", experiment="e", utility_use="probing", policy="gradient",
+                                startup_trials=30)
     cmd, _ = search.worker_process("s", 3, config, worker_index=1, storage="x.journal", tracking_uri=None,
                                    track=False, heartbeat_interval=1, grace_period=3, storage_wait=5, out=Path("o"))
     args = vars(search.build_parser().parse_args(cmd[3:]))
@@ -386,6 +388,7 @@ def test_the_utility_use_prices_exposure_only_defences():
         ctx = TrialContext(loaded, 4, ids, seed=0, utility_tokens=64, attacks=["sipit"],
                            budget=AttackBudget(k_prior=4, k_grad=4), utility_use=use)
         noise = evaluate(ctx, ["noise"], dict(sigma=2.0, relative_to="rms", placement="exposure"))
+        assert noise["attacks"]["sipit"]["decoder"] == "MapDecoder(map)"  # the search's default under noise
         pooled = evaluate(ctx, ["pooling"], dict(mode="mean", over="all"))
         losses[use] = (noise["utility_loss"], pooled["utility_loss"], noise["top1_agreement"])
         priced[use] = (noise["utility_losses"], pooled["utility_losses"])
@@ -437,3 +440,20 @@ def test_a_setting_that_cannot_serve_the_use_is_no_answer_for_it(tmp_path):
     assert report["best"] is None and report["groups"]["pooling"]["best"] is None
     assert report["uses"]["embedding_store"]["best"]["feasible"]
     assert report["uses"]["continued"]["best"] is None and report["uses"]["continued"]["n_trials"] == 0
+
+
+def test_the_search_budget_sizes_each_decoders_shortlist_and_keeps_its_ranking():
+    """Under noise the budget's MAP ranks by the inverse heads + prior (policy learned) with k_prior + k_proxy;
+    inexact noise-free states keep the gradient shortlist (k_prior + k_grad); the radius stop its cap."""
+    from attacks.registry import Exposure, build
+    from benchmarks.search_space import AttackBudget
+
+    budget = AttackBudget(k_prior=5, k_grad=7, k_proxy=11, radius_cap=13)
+    noisy_map = build("sipit", Exposure(sigma=1.0), budget.options(robust="map", seed=0, policy="learned"))
+    s = noisy_map.scorer
+    assert type(noisy_map).__name__ == "MapDecoder" and (s.ranking, s.k_prior, s.k_proxy, s.exact_positions) == \
+        ("learned", 5, 11, 1)
+    inexact = build("sipit", Exposure(exact=False), budget.options(robust="map", seed=0, policy="learned")).scorer
+    assert (inexact.ranking, inexact.k_prior, inexact.k_grad, inexact.exact_positions) == ("gradient", 5, 7, 1)
+    radius = build("sipit", Exposure(sigma=1.0), budget.options(robust="radius", seed=0, policy="learned"))
+    assert radius.name == "nn-heuristic" and radius.scorer.max_candidates == 13

@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Pareto fronts; TPE then refines --utility-use)")
     s.add_argument("--attacks", default="sipit", help=f"comma list from {', '.join(SEARCH_ATTACKS)}")
     s.add_argument("--policy", default="learned", choices=sorted(POLICIES),
-                   help="candidate order of exact SipIt and of the radius decoder (attacks.policies; learned = "
-                        "the inverse heads with the prior, trained once per model and layer)")
+                   help="candidate order of exact SipIt and of the radius decoder, and the ranking of MAP's "
+                        "shortlist (attacks.policies; learned = the inverse heads with the prior, trained once per "
+                        "model and layer, and per noise level for MAP)")
     s.add_argument("--robust", default=SEARCH_ROBUST, choices=tuple(ROBUST),
                    help="the decoder under noise (attacks.registry.ROBUST; docs/search.md says why the search's "
                         "default differs from the main job's)")

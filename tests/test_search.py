@@ -319,10 +319,13 @@ def test_ctrl_c_stops_cleanly_requeues_the_running_trials_and_a_rerun_finishes(t
     try:
         deadline = time.time() + 150
         while time.time() < deadline:
-            if Path(storage).exists():
-                running = [t for t in _trials(storage, "ctrlc") if t.state == TrialState.RUNNING and "family" in t.user_attrs]
-                if len({t.user_attrs["worker"] for t in running}) == 2:
-                    break
+            try:  # the journal file exists a moment before the study is written into it (KeyError until then)
+                trials = _trials(storage, "ctrlc") if Path(storage).exists() else []
+            except KeyError:
+                trials = []
+            running = [t for t in trials if t.state == TrialState.RUNNING and "family" in t.user_attrs]
+            if len({t.user_attrs["worker"] for t in running}) == 2:
+                break
             time.sleep(0.1)
         else:
             pytest.fail("the two workers never ran a trial at the same time")

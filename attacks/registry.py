@@ -37,7 +37,8 @@ one s (||mu_w - h~||^2 = Delta_w^2 + ||n||^2 - 2 <mu_w - mu_s, n> with ||n||^2 ~
 cross term within 3 sigma Delta_w), and the radius stop takes the first such token in candidate order.
 Where the noise is that large against the margins Delta, MAP, which compares the candidates, is the
 stronger attacker: smollm2, 20 x 20 tokens, layer 15, sigma 10: radius 0.605, MAP 0.963; layer 30,
-sigma 10: 0.970 vs 0.988 (docs/defenses.md). The radius stop remains the cheap choice where 13.9 sigma is below the margins.
+sigma 10: 0.970 vs 0.988 (docs/defenses.md). The radius stop remains the cheap choice where 13.9 sigma
+is below the margins.
 
 The trained baseline (``softmax-head``, attacks.head) is named here too but is trained per run, not
 built: :data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).

@@ -284,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "shortlist (attacks.policies; learned = the inverse heads with the prior, trained once per "
                         "model and layer, and per noise level for MAP)")
     s.add_argument("--robust", default=SEARCH_ROBUST, choices=tuple(ROBUST),
-                   help="the decoder under noise (attacks.registry.ROBUST; docs/search.md says why the search's "
-                        "default differs from the main job's)")
+                   help="the decoder under noise (attacks.registry.ROBUST), the main job's by default; studies "
+                        "made before the option used radius and resume only with it (docs/search.md)")
     s.add_argument("--budget", type=_json_object, default=None,
                    help=f"attack budget JSON, default {AttackBudget().to_dict()}")
     s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")

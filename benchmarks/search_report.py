@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks.metrics import clopper_pearson_upper
 from benchmarks.search_runs import PARENT_ATTR, study_runs
 from benchmarks.search_space import UTILITY_USES
-from benchmarks.search_study import tokens_needed, trial_counts
+from benchmarks.search_study import stored_config, tokens_needed, trial_counts
 
 #: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
 USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states",
@@ -30,7 +30,7 @@ CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "t
 
 
 def _loss_names(config: dict) -> tuple[str, str]:
-    return LOSS_NAMES[config.get("utility_use", "served")]
+    return LOSS_NAMES[config["utility_use"]]
 
 
 def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
@@ -60,7 +60,7 @@ def per_use(rows: list[dict], config: dict) -> dict:
     only the study's own): the Pareto front of (that use's loss, constrained recovery) over the trials
     the use can serve (finite loss), and the cheapest feasible one. The leakage is the trial's,
     whatever the use: one study answers every use."""
-    own = config.get("utility_use", "served")
+    own = config["utility_use"]
     out = {}
     for use in UTILITY_USES:
         priced = [dict(r, utility_loss=r["utility_losses"][use]) if use in r["utility_losses"]
@@ -78,7 +78,7 @@ def per_use(rows: list[dict], config: dict) -> dict:
 def claim_note(config: dict, threshold: float) -> str | None:
     """What a trial's tokens cannot prove: None when zero recovered tokens bound the recovery at or
     under ``threshold`` (or the study constrains the point estimate), else a sentence saying so."""
-    if config.get("bound", "point") != "upper95":
+    if config["bound"] != "upper95":
         return None
     n = config["n_prompts"] * config["length"]
     floor = clopper_pearson_upper(0, n)
@@ -93,10 +93,10 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
     """Per group: the cheapest COMPLETE trial with recovery <= threshold; plus the Pareto front."""
     from optuna.trial import TrialState
 
-    config = study.user_attrs["config"]
+    config = stored_config(study.user_attrs["config"])
     threshold = config["threshold"] if threshold is None else threshold
     trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
-    rows = [_row(t, threshold, config.get("bound", "point")) for t in trials]
+    rows = [_row(t, threshold, config["bound"]) for t in trials]
     groups: dict[str, dict] = {}
     for group in sorted({r["group"] for r in rows}):
         mine = [r for r in rows if r["group"] == group]
@@ -112,7 +112,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
     counts = trial_counts(study)
     return {
         "study": study.study_name, "config": config, "threshold": threshold, "counts": counts,
-        "bound": config.get("bound", "point"), "claim_note": claim_note(config, threshold),
+        "bound": config["bound"], "claim_note": claim_note(config, threshold),
         "best": feasible[0] if feasible else None, "groups": groups,
         "pareto_front": sorted((r for r in rows if r["trial"] in front), key=lambda r: r["utility_loss"]),
         "uses": per_use(rows, config),
@@ -152,11 +152,11 @@ def format_report(report: dict) -> str:
     long, short = _loss_names(c)
     lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
              f"threshold recovery <= {report['threshold']:.3g} (token accuracy"
-             + (", its one-sided 95% Clopper-Pearson upper bound)" if report.get("bound") == "upper95" else ")"),
+             + (", its one-sided 95% Clopper-Pearson upper bound)" if report["bound"] == "upper95" else ")"),
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
-             f"utility ({USE_NAMES[c.get('utility_use', 'served')]}) on {c['utility_tokens']} tokens; "
-             f"attacks {', '.join(c['attacks'])} (under noise: {c.get('robust', 'radius')}, attacks.registry.ROBUST)", "",
+             f"utility ({USE_NAMES[c['utility_use']]}) on {c['utility_tokens']} tokens; "
+             f"attacks {', '.join(c['attacks'])} (under noise: {c['robust']}, attacks.registry.ROBUST)", "",
              f"| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | "
              f"{'ppl increase' if short == 'ppl' else long} | "
              "top-1 agr. | recovery per attack |", "|---|---|---|---|---|---|---|"]
@@ -246,7 +246,7 @@ def plot_uses(report: dict, path: Path) -> Path:
         u = report["uses"][use]
         by_trial = {r["trial"]: r for r in u["pareto_front"]}
         for group in groups:
-            pts = [(r["utility_losses"].get(use, r["utility_loss"] if use == report["config"].get("utility_use") else None),
+            pts = [(r["utility_losses"].get(use, r["utility_loss"] if use == report["config"]["utility_use"] else None),
                     r["constrained"]) for r in report["trials"] if r["group"] == group]
             pts = [(x, y) for x, y in pts if x is not None and math.isfinite(x)]
             if pts:
@@ -258,7 +258,7 @@ def plot_uses(report: dict, path: Path) -> Path:
         ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlim(left=min([0.0, *xs]) - 0.5)
         ax.set_xlabel(f"{LOSS_NAMES[use][0]} (%)")
-        ax.set_ylabel("recovery, 95% upper bound" if report.get("bound") == "upper95" else "recovery")
+        ax.set_ylabel("recovery, 95% upper bound" if report["bound"] == "upper95" else "recovery")
         ax.set_title(f"{use}: {USE_NAMES[use]}", fontsize=8)
     for ax in list(axes.flat)[len(uses):]:
         ax.axis("off")

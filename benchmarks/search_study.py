@@ -2,7 +2,9 @@
 
 The configuration (everything that must agree between workers) and the MLflow parent run id are
 study user attributes, written once when the study is created; every worker reads them, and a
-worker whose options differ is refused (:func:`check_same_config`).
+worker whose options differ is refused (:func:`check_same_config`). Every reader of a stored
+configuration goes through :func:`stored_config`, which fills what a study stored before an option
+existed did in its place (:data:`LEGACY`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ BOUNDS = ("upper95", "point")
 
 #: budget keys whose 0 means "no cap" (the others are >= 1)
 MAY_BE_ZERO = {"radius_cap": 0}
+#: what a study stored before an option existed did in its place: it priced the served model, constrained the
+#: point estimate, ordered candidates by the gradient, drew 8 random startup trials and decoded noise with the
+#: radius stop; a budget stored before the radius decoder's cap had none (radius_cap 0: the vocabulary)
+LEGACY = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius"}
+LEGACY_BUDGET = {"radius_cap": 0}
 
 
 def check_budget(budget) -> dict:
@@ -108,7 +115,7 @@ def make_sampler(config: dict, worker: int, attach_count: int = 0):
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
     # the first ``startup_trials`` trials of the study are drawn at random: an unbiased sample that prices every
     # use (the per-use fronts of search_report.per_use), before TPE refines the study's own use
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=config.get("startup_trials", 8))
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=config["startup_trials"])
 
 
 def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
@@ -134,14 +141,18 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
     return study
 
 
+def stored_config(config: dict) -> dict:
+    """A study's stored configuration as its workers run it: every key it was stored without set to
+    what the study did then (:data:`LEGACY`, :data:`LEGACY_BUDGET`), the budget filled (:func:`check_budget`;
+    a study stored without a budget ran the defaults). Idempotent: a full configuration comes back equal."""
+    budget = {**LEGACY_BUDGET, **config["budget"]} if config.get("budget") else None
+    return {**LEGACY, **config, "budget": check_budget(budget)}
+
+
 def check_same_config(stored: dict, given: dict) -> None:
-    """SearchUsageError naming every key on which the stored and the given configuration differ."""
-    # studies stored before budgets were filled, before the utility use was chosen (they priced the served model),
-    # before the bound (they constrained the point estimate), before the policy (gradient order) or before the
-    # radius decoder's cap (the vocabulary) or before the noise decoder was chosen (the radius decoder)
-    budget = {"radius_cap": 0, **stored["budget"]} if stored.get("budget") else None
-    stored = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius",
-              **stored, "budget": check_budget(budget)}
+    """SearchUsageError naming every key on which the stored (:func:`stored_config`) and the given
+    configuration differ."""
+    stored = stored_config(stored)
     diff = {k: (stored.get(k), given.get(k)) for k in CONFIG_KEYS if stored.get(k) != given.get(k)}
     if diff:
         raise SearchUsageError("the study exists with a different configuration (stored vs given): "

@@ -29,8 +29,7 @@ def trial_context(config: dict):
                                                   length=config["length"], seed=config["seed"]) if p.ids]
     return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
-                        utility_use=config.get("utility_use", "served"), policy=config.get("policy", "gradient"),
-                        robust=config.get("robust", "radius"))
+                        utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):
@@ -89,7 +88,7 @@ def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
 def constrained_recovery(m: dict, config: dict) -> float:
     """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's
     95% upper bound, or its point estimate (studies made before the bound existed)."""
-    return m["recovery_upper95"] if config.get("bound", "point") == "upper95" else m["recovery"]
+    return m["recovery_upper95"] if config["bound"] == "upper95" else m["recovery"]
 
 
 def _record(trial, m: dict, config: dict) -> None:

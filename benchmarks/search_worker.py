@@ -18,7 +18,7 @@ from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsa
 from benchmarks.search_runs import process_name, runs_or_none, study_runs
 from benchmarks.search_storage import (MAX_RETRY, is_requeued, open_storage, requeue, storage_down, storage_errors,
                                        wait_for_storage)
-from benchmarks.search_study import make_sampler, trial_counts
+from benchmarks.search_study import make_sampler, stored_config, trial_counts
 from benchmarks.search_trial import make_objective, trial_context
 from benchmarks.tracking import describe_error
 
@@ -51,7 +51,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     except KeyError:
         raise SearchUsageError(f"study {study_name!r} does not exist in the storage: create it first "
                                "(run without --attach, or with --create-only)") from None
-    config = study.user_attrs["config"]
+    config = stored_config(study.user_attrs["config"])
     study.sampler = make_sampler(config, worker, len(study.get_trials(deepcopy=False)))
     runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study_name}")

@@ -254,6 +254,28 @@ def test_a_worker_process_is_given_the_study_configuration_it_will_be_checked_ag
     assert given == config
 
 
+def test_a_study_stored_before_an_option_existed_is_checked_and_run_as_it_was_made():
+    """What a study was stored without is filled once (stored_config) with what it did then, and the check
+    and the worker read the same values: a budget stored without radius_cap searched the whole vocabulary
+    (the worker used to read the stored dict as it was and cap the radius decoder at 256)."""
+    from benchmarks.search_study import LEGACY, stored_config
+    from benchmarks.search_trial import trial_context
+
+    config = search.make_config(**{**FAST, "robust": "map", "bound": "upper95"}, mode="constrained", seed=0,
+                                prompts="mixed", tying_method="rare", experiment="e", startup_trials=30)
+    legacy = {k: v for k, v in config.items() if k not in LEGACY}
+    legacy["budget"] = {k: v for k, v in config["budget"].items() if k != "radius_cap"}
+    filled = stored_config(legacy)
+    assert stored_config(filled) == filled and stored_config(config) == config
+    assert {k: filled[k] for k in LEGACY} == LEGACY and filled["budget"]["radius_cap"] == 0
+    search.check_same_config(legacy, {**config, **LEGACY, "budget": {**config["budget"], "radius_cap": 0}})
+    with pytest.raises(SearchUsageError) as refused:
+        search.check_same_config(legacy, config)
+    assert all(f"{k}: " in str(refused.value) for k in [*LEGACY, "budget"])
+    ctx = trial_context(filled)
+    assert (ctx.robust, ctx.policy, ctx.utility_use, ctx.budget.radius_cap) == ("radius", "gradient", "served", 0)
+
+
 def test_requeue_copies_parameters_once_and_nothing_else(tmp_path):
     study = optuna.create_study(storage=search.open_storage(str(tmp_path / "q.journal")), study_name="q")
     drawn = study.ask()

@@ -129,7 +129,7 @@ def run_search(
     _check_tracking(tracking_uri, track, creating=not (attach or report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
+                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only)
     st = _open_study(store, storage, study, config, existing=attach or report_only, tracking_uri=tracking_uri,
                      track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")

@@ -155,10 +155,13 @@ def _stale_callback(runs_for):
     return callback
 
 
-def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None):
+def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None,
+                 must_exist: bool = False):
     """An Optuna storage with heartbeats and stale-trial retry, from a path or URL.
 
     ``runs_for(study)`` gives the study's :class:`TrialRuns` (or None) for the stale-trial callback.
+    ``must_exist``: a journal file that is not there is a usage error (attaching to a study or
+    reporting on one), not a new empty journal.
     """
     import optuna
 
@@ -180,6 +183,9 @@ def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int
         path = Path(storage[len("journal:"):] if storage.startswith("journal:") else storage)
         if not path.parent.exists():
             raise SearchUsageError(f"--storage {storage!r}: folder {path.parent} does not exist")
+        if must_exist and not path.exists():
+            raise SearchUsageError(f"--storage {storage!r}: no journal file there, so no study to attach to or "
+                                   "report on: create the study first (without --attach or --report-only)")
         from optuna.storages.journal import JournalFileBackend
 
         return _heartbeat_journal_class()(JournalFileBackend(str(path)), heartbeat_interval=heartbeat_interval,

@@ -188,6 +188,11 @@ def test_bad_inputs_give_clear_errors(tmp_path, change, message):
 
 def test_attach_needs_existing_study_and_same_config(tmp_path):
     storage = str(tmp_path / "s.journal")
+    for step in ("attach", "report_only"):  # a mistyped journal path is refused, not created empty
+        with pytest.raises(SearchUsageError, match="no journal file"):
+            run_search(storage, "missing", 2, track=False, **{step: True}, **FAST)
+        assert not (tmp_path / "s.journal").exists()
+    run_search(storage, "other", 2, create_only=True, track=False, **FAST)
     with pytest.raises(SearchUsageError, match="does not exist"):
         run_search(storage, "missing", 2, attach=True, track=False, **FAST)
     run_search(storage, "made", 2, create_only=True, track=False, **FAST)

@@ -126,7 +126,7 @@ def run_search(
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment, bound=bound,
                          policy=policy, startup_trials=startup_trials, robust=robust)
-    _check_tracking(tracking_uri, track, creating=not (attach or report_only))
+    _check_tracking(tracking_uri, track, creating=not attach)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                          runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only)

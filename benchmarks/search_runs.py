@@ -12,11 +12,13 @@ trial, and the report step) once the server answers again: its run (found by tag
 gets the metrics from the trial's user attributes and ends FINISHED with a ``relogged`` tag.
 
 The study names its parent run in the user attribute ``mlflow_parent_run_id`` (``PARENT_ATTR``);
-:func:`study_runs` gives any process the study's :class:`TrialRuns`.
+:func:`study_runs` gives any process the study's :class:`TrialRuns`. A study that ran untracked
+(``--no-tracking``) reaches MLflow when its report is written with tracking on (:func:`imported_runs`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -156,8 +158,9 @@ class TrialRuns:
             done += logged
         return done
 
-    def _relog(self, trial) -> bool:
-        """The trial's run (its existing one, else a new one) with params and metrics, FINISHED.
+    def _relog(self, trial, why: str = "logged after MLflow was unreachable during the trial") -> bool:
+        """The trial's run (its existing one, else a new one) with params and metrics, FINISHED, tagged
+        ``relogged`` = ``why``.
 
         Returns False when a FINISHED run was already there (another process re-logged it).
         """
@@ -168,7 +171,7 @@ class TrialRuns:
         if not runs:
             self.tracker.log_params(run_id, {"trial": trial.number, **trial.params})
         self.tracker.log_metrics(run_id, trial_metrics(trial.user_attrs))
-        self.tracker.set_tag(run_id, "relogged", "logged after MLflow was unreachable during the trial")
+        self.tracker.set_tag(run_id, "relogged", why)
         self.tracker.client.set_terminated(run_id, status="FINISHED")
         return True
 
@@ -192,6 +195,40 @@ def study_runs(study, *, tracking_uri=None, track: bool = True, log=print) -> Tr
         tracker.parent_id = parent
         _RUNS[uri, parent] = TrialRuns(tracker, study.study_name, process_name(), log)
     return _RUNS[uri, parent]
+
+
+def config_sha(config: dict) -> str:
+    """The first 12 hex digits of sha256 over the configuration as sorted JSON: the study's identity in MLflow."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def imported_runs(study, *, tracking_uri=None, log=print) -> TrialRuns:
+    """MLflow runs for a study that ran untracked (``--no-tracking``), made when its report is written.
+
+    The parent run is tagged with the study's name and :func:`config_sha`; a later report finds it
+    again instead of making a second one. Every COMPLETE trial without a FINISHED run gets one, with
+    its parameters and metrics (:func:`trial_metrics`, as a tracked trial would have). The study's
+    storage is not written, so a journal kept in the repository names no one's MLflow store.
+    """
+    from optuna.trial import TrialState
+
+    config = study.user_attrs["config"]
+    sha = config_sha(config)
+    tracker = Tracker(tracking_uri, config["experiment"])
+    found = tracker.client.search_runs([tracker.experiment_id], f"tags.study = '{study.study_name}' and "
+                                       f"tags.config_sha = '{sha}' and tags.kind = 'optuna-search'")
+    if found:
+        tracker.parent_id = found[0].info.run_id
+    else:
+        tracker.start_parent(f"search-{study.study_name}", {"config": config},
+                             {"study": study.study_name, "config_sha": sha, "kind": "optuna-search",
+                              "imported": "the study ran untracked; its runs were made from its storage"})
+    runs = TrialRuns(tracker, study.study_name, process_name(), log)
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
+    made = sum(runs._relog(t, "made from the study's storage when its report was written") for t in done)
+    log(f"[search] MLflow {tracker.uri}: parent run {tracker.parent_id} of study {study.study_name!r}, "
+        f"{made} trial run(s) made now, {len(done) - made} there already")
+    return runs
 
 
 def runs_or_none(study, tracking_uri, track, log):

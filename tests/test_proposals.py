@@ -275,3 +275,35 @@ def test_noise_levels_share_heads_on_a_grid_that_holds_round_sigmas():
     assert first._learned.head_config.noise == 0.015
     second.prepare(WhiteBox(loaded.model), -1, loaded.tokenizer, sigma=0.0139)  # another prompt's sigma
     assert all(report.cached for _, report in second._learned.heads.values())  # the same heads, from disk
+
+
+def test_the_union_shortlist_verifies_what_the_learned_one_does_and_the_surrogates_picks(tiny_llama, one_thread):
+    """ranking="learned+surrogate": every candidate of the learned shortlist, plus the surrogate's fit sample
+    and picks (the learned shortlist alone misses the true token at a third of the positions at smollm2's
+    layer 15, sigma 19.3); noise-free the beam on it still recovers exactly."""
+    from attacks.robust import CandidateScorer, MapBeamSearch
+    from sipit.prior import NextTokenPrior
+
+    loaded, wb = tiny_llama
+    (p,) = prompt_set(loaded.tokenizer, 1, length=8, seed=5)
+    h = wb.states(p.ids, -1)
+    sigma = float(h.pow(2).mean().sqrt())  # 1 x the state RMS
+    t = 4
+    observed = h[t] + sigma * torch.randn(wb.d, generator=torch.Generator().manual_seed(2))
+    prior = NextTokenPrior(wb.model)
+    for token in p.ids[:t]:
+        prior.push(token)
+    shortlists, samples = {}, {}
+    for ranking in ("learned", "surrogate", "learned+surrogate"):
+        scorer = CandidateScorer(ranking=ranking, k_prior=4, k_proxy=16, n_fit=64, n_rerank=128, extra_rounds=1,
+                                 head_config=SMALL)
+        scorer.prepare(wb, -1, loaded.tokenizer, sigma=sigma)
+        got = scorer.score(wb, wb.prefix_cache(p.ids[:t], -1), observed, prior.logprobs, sigma)
+        shortlists[ranking] = set(got.candidates.tolist())
+        samples[ranking] = set() if scorer._last_fit is None else set(scorer._last_fit.sample.tolist())
+    union = shortlists["learned+surrogate"]
+    assert shortlists["learned"] <= union and samples["learned+surrogate"] == samples["surrogate"] <= union
+    assert len(union) > len(shortlists["learned"]) and not samples["learned"]
+    beam = MapBeamSearch(0.0, width=2, ranking="learned+surrogate", k_prior=4, k_proxy=16, n_fit=64, extra_rounds=1,
+                         head_config=SMALL)
+    assert beam.invert(h, wb, -1, loaded.tokenizer).ids == p.ids

@@ -7,7 +7,8 @@ standard deviation of per-prompt accuracies (weighted by length) over sqrt(n_pro
 
 Upper bounds: the one-sided 95% Clopper-Pearson bound of a rate k / n,
 U = Beta^-1(0.95; k + 1, n - k) (U = 1 when k = n), so that zero recovered out of n claims at most
-1 - 0.05^(1/n) (about 1% needs n = 300). For token accuracy it treats tokens as independent, which
+1 - 0.05^(1/n) (about 1% needs n = 300); the lower one is L = Beta^-1(0.05; k, n - k + 1) (L = 0 when
+k = 0). For token accuracy it treats tokens as independent, which
 they are not within a prompt: read it next to the clustered se.
 
 Order-free leakage: ``bag_f1`` is the mean over prompts of the F1 between the multisets of
@@ -109,6 +110,15 @@ def clopper_pearson_upper(k: int, n: int, level: float = 0.95) -> float:
     if n <= 0:
         return float("nan")
     return 1.0 if k >= n else float(beta.ppf(level, k + 1, n - k))
+
+
+def clopper_pearson_lower(k: int, n: int, level: float = 0.95) -> float:
+    """One-sided ``level`` Clopper-Pearson lower bound of a proportion with k successes in n trials."""
+    from scipy.stats import beta
+
+    if n <= 0:
+        return float("nan")
+    return 0.0 if k <= 0 else float(beta.ppf(1.0 - level, k, n - k + 1))
 
 
 def bag_overlap(recovered: list[int], truth: list[int]) -> int:

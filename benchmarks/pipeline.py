@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -103,10 +103,12 @@ def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):
 
 
 def invert_all(exposed: Exposed, make: Callable[[int], object], tokenizer, *, progress: bool = False,
-               desc: str = "invert", on_prompt: Callable[[int, object], None] | None = None) -> list:
-    """``make(i).invert(...)`` on every exposed prompt; ``on_prompt(i, inversion)`` after each."""
+               desc: str = "invert", on_prompt: Callable[[int, object], None] | None = None,
+               indices: Sequence[int] | None = None) -> list:
+    """``make(i).invert(...)`` on every exposed prompt (or those of ``indices``); ``on_prompt(i, inversion)`` after each."""
     inversions = []
-    for i, ids in enumerate(tqdm(exposed.prompt_ids, desc=desc, disable=not progress)):
+    for i in tqdm(range(len(exposed.prompt_ids)) if indices is None else indices, desc=desc, disable=not progress):
+        ids = exposed.prompt_ids[i]
         inversion = make(i).invert(exposed.states[i], exposed.verifier(i), exposed.layer, tokenizer, length=len(ids))
         inversions.append(inversion)
         if on_prompt is not None:

@@ -85,6 +85,7 @@ def run_search(
     seed: int = 0,
     prompts: str = "mixed",
     n_prompts: int = 15,
+    max_prompts: int | None = None,
     length: int = 20,
     utility_tokens: int = 128,
     utility_use: str = "continued",
@@ -125,7 +126,7 @@ def run_search(
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment, bound=bound,
-                         policy=policy, startup_trials=startup_trials, robust=robust)
+                         policy=policy, startup_trials=startup_trials, robust=robust, max_prompts=max_prompts)
     _check_tracking(tracking_uri, track, creating=not attach)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
@@ -267,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-prompts", type=int, default=15,
                    help="prompts attacked per trial (x --length: 300 tokens let zero recovered bound the recovery "
                         "under 1%%)")
+    s.add_argument("--max-prompts", type=int, default=None,
+                   help="prompts a trial attacks when its first --n-prompts leave the claim open (the strongest "
+                        "attack's 95%% bounds straddle the threshold); default: enough tokens to prove a recovery "
+                        "of a third of the threshold under it 4 times in 5 (benchmarks.search_study.tokens_for_claim; "
+                        "threshold 0.03, 10 tokens per prompt: 35)")
     s.add_argument("--length", type=int, default=20)
     s.add_argument("--utility-tokens", type=int, default=128)
     s.add_argument("--utility-use", default="continued", choices=UTILITY_USES,

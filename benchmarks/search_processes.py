@@ -74,7 +74,7 @@ def worker_process(study, n_trials, config, *, worker_index, storage, tracking_u
            "--attach", "--workers", "1", "--worker-index", str(worker_index), "--model", config["model"],
            "--layer", str(config["layer"]), "--families", ",".join(config["families"]), "--mode", config["mode"],
            "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
-           "--n-prompts", str(config["n_prompts"]), "--length", str(config["length"]),
+           "--n-prompts", str(config["n_prompts"]), "--max-prompts", str(config["max_prompts"]), "--length", str(config["length"]),
            "--utility-tokens", str(config["utility_tokens"]), "--utility-use", config["utility_use"],
            "--bound", config["bound"], "--policy", config["policy"],
            "--startup-trials", str(config["startup_trials"]), "--robust", config["robust"],

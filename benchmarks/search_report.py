@@ -26,7 +26,7 @@ USE_NAMES = {"served": "served model", "continued": "inference continued from th
 LOSS_NAMES = {"served": ("perplexity increase", "ppl"), "continued": ("perplexity increase", "ppl"),
               "embedding_store": ("recall@1 lost", "loss"), "probing": ("probe accuracy lost", "loss")}
 CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-              "recovery", "attacks", "feasible", "retry_of", "reused_from"]
+              "recovery", "recovery_upper95", "n_tokens", "claim", "attacks", "feasible", "retry_of", "reused_from"]
 
 
 def _loss_names(config: dict) -> tuple[str, str]:
@@ -51,6 +51,7 @@ def _row(trial, threshold: float, bound: str) -> dict:
             "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
             "recovery": u["recovery"], "recovery_upper95": u.get("recovery_upper95"), "constrained": constrained,
             "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
+            "n_tokens": u.get("n_tokens"), "claim": u.get("claim"),
             "feasible": constrained <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
             "reused_from": u.get("reused_from")}
 
@@ -76,17 +77,26 @@ def per_use(rows: list[dict], config: dict) -> dict:
 
 
 def claim_note(config: dict, threshold: float) -> str | None:
-    """What a trial's tokens cannot prove: None when zero recovered tokens bound the recovery at or
-    under ``threshold`` (or the study constrains the point estimate), else a sentence saying so."""
+    """What a trial's tokens cannot prove: None when zero recovered tokens out of the most a trial attacks
+    (``max_prompts``) bound the recovery at or under ``threshold`` (or the study constrains the point
+    estimate), else a sentence saying so."""
     if config["bound"] != "upper95":
         return None
-    n = config["n_prompts"] * config["length"]
+    n = config["max_prompts"] * config["length"]
     floor = clopper_pearson_upper(0, n)
     if floor <= threshold:
         return None
-    return (f"No trial can be feasible: {n} attacked tokens per trial ({config['n_prompts']} prompts x "
+    return (f"No trial can be feasible: {n} attacked tokens per trial ({config['max_prompts']} prompts x "
             f"{config['length']} tokens) bound the recovery at {floor:.3f} or more even when none is recovered, above "
             f"the threshold {threshold:.3g}; the claim needs at least {tokens_needed(threshold)} tokens per trial.")
+
+
+def stages_note(config: dict) -> str:
+    """How many prompts a trial attacks: ``n_prompts``, and ``max_prompts`` when those leave the claim open."""
+    if config["max_prompts"] == config["n_prompts"]:
+        return f"{config['n_prompts']} x {config['length']} tokens"
+    return (f"{config['n_prompts']} x {config['length']} tokens, {config['max_prompts']} x {config['length']} when "
+            "the first leave the claim open (search_space.claim_after)")
 
 
 def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
@@ -154,7 +164,7 @@ def format_report(report: dict) -> str:
              f"threshold recovery <= {report['threshold']:.3g} (token accuracy"
              + (", its one-sided 95% Clopper-Pearson upper bound)" if report["bound"] == "upper95" else ")"),
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
-             f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {c['n_prompts']} x {c['length']} tokens; "
+             f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {stages_note(c)}; "
              f"utility ({USE_NAMES[c['utility_use']]}) on {c['utility_tokens']} tokens; "
              f"attacks {', '.join(c['attacks'])} (under noise: {c['robust']}, attacks.registry.ROBUST)", "",
              f"| family | trials (feasible) | cheapest setting with recovery <= threshold | trial | "

@@ -136,14 +136,19 @@ class TrialContext:
     trained with the trial's noise (attacks.proposals.head_noise levels: the first trial at a level
     fits them, ~8 minutes at smollm2's last layer, later ones load them). Layer 30, 10 x 10 tokens,
     exposure noise 0.4 x RMS: MAP 0.73, the radius stop 0.49, MAP on the gradient shortlist 0.27
-    (docs/search.md)."""
+    (docs/search.md).
+
+    A trial attacks the first ``first_stage`` prompts, and the rest of ``prompt_ids`` only when those leave
+    the claim about ``threshold`` open (:func:`claim_after`)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",
-                 policy: str = "gradient"):
+                 policy: str = "gradient", first_stage: int | None = None, threshold: float = 0.0):
         from sipit.whitebox import WhiteBox
 
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids
+        self.first_stage = len(prompt_ids) if first_stage is None else first_stage
+        self.threshold = threshold
         self.clean_wb = WhiteBox(loaded.model)
         self.seed, self.utility_tokens, self.attacks, self.budget, self.robust = seed, utility_tokens, attacks, budget, robust
         self.utility_use, self.policy = utility_use, policy
@@ -170,8 +175,31 @@ def utility_loss(util, use: str) -> float:
     return math.inf if loss is None else float(loss)
 
 
+#: what a trial's attacked tokens establish about the threshold (:func:`claim_after`)
+CLAIMS = ("leaks", "holds", "open")
+
+
+def claim_after(attacks: dict[str, dict], threshold: float) -> str:
+    """``leaks`` when the strongest attack's one-sided 95% Clopper-Pearson lower bound of its token accuracy
+    is above ``threshold``, ``holds`` when every attack's upper bound is at or under it, else ``open``.
+
+    A trial whose first stage is ``open`` attacks its second-stage prompts too, and is judged on all of them.
+    Stopping early only ever declares a leak, so a ``holds`` claim errs no more often than with a fixed
+    sample: the chance of a wrong ``holds`` is at most that of the full sample's upper bound, 5%."""
+    from benchmarks.metrics import clopper_pearson_lower
+
+    rates = [a["rates"]["token_accuracy"] for a in attacks.values()]
+    if any(clopper_pearson_lower(round(r["value"] * r["n"]), r["n"]) > threshold for r in rates):
+        return "leaks"
+    return "holds" if all(r["upper95"] <= threshold for r in rates) else "open"
+
+
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
-    """Utility cost and per-attack recovery of one defence setting (the trial's measurement)."""
+    """Utility cost and per-attack recovery of one defence setting (the trial's measurement).
+
+    Every attack inverts the first-stage prompts; when :func:`claim_after` leaves the claim open, it
+    inverts the remaining prompts of ``ctx.prompt_ids`` as well (their states were exposed with the
+    first ones, in order, so the first stage's noise does not depend on the second)."""
     from benchmarks.metrics import summarise
     from benchmarks.pipeline import attack_for, expose, invert_all, train_softmax_head
     from defenses.utility import utility_cost
@@ -181,18 +209,26 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     loaded, layer = ctx.loaded, ctx.layer
     util = utility_cost(loaded, chain, layer, n_tokens=ctx.utility_tokens, seed=ctx.seed)  # every use of defenses.uses
     exposed = expose(chain, loaded, ctx.clean_wb, layer, ctx.prompt_ids, seed=ctx.seed + 1)
-    attacks: dict[str, dict] = {}
+    makers: dict[str, tuple[str, object]] = {}  # attack name -> (decoder description, prompt index -> attack)
     if "sipit" in ctx.attacks:
         options = ctx.budget.options(robust=ctx.robust, seed=ctx.seed, policy=ctx.policy)
-        chosen = [attack_for(exposed, i, "sipit", options) for i in range(len(ctx.prompt_ids))]
-        inversions = invert_all(exposed, chosen.__getitem__, loaded.tokenizer)
-        attacks["sipit"] = {"decoder": describe(chosen[-1]), **summarise("sipit", ctx.prompt_ids, inversions).to_dict()}
+        makers["sipit"] = (describe(attack_for(exposed, ctx.first_stage - 1, "sipit", options)),
+                           lambda i: attack_for(exposed, i, "sipit", options))
     if "softmax-head" in ctx.attacks and chain.per_position:
         head, _, _ = train_softmax_head(exposed, "adaptive", n_tokens=ctx.budget.head_tokens,
                                         epochs=ctx.budget.head_epochs, seed=ctx.seed + 2)
-        inversions = invert_all(exposed, lambda i: head, loaded.tokenizer)
-        attacks["softmax-head-adaptive"] = {"decoder": "SoftmaxHead(adaptive)",
-                                            **summarise("softmax-head-adaptive", ctx.prompt_ids, inversions).to_dict()}
+        makers["softmax-head-adaptive"] = ("SoftmaxHead(adaptive)", lambda i: head)
+    inversions: dict[str, list] = {name: [] for name in makers}
+    stages = [range(ctx.first_stage), range(ctx.first_stage, len(ctx.prompt_ids))]
+    for stage in (s for s in stages if len(s)):
+        for name, (_, make) in makers.items():
+            inversions[name] += invert_all(exposed, make, loaded.tokenizer, indices=stage)
+        done = ctx.prompt_ids[:stage.stop]
+        attacks = {name: {"decoder": decoder, **summarise(name, done, inversions[name]).to_dict()}
+                   for name, (decoder, _) in makers.items()}
+        claim = claim_after(attacks, ctx.threshold)
+        if claim != "open":
+            break
     recovery = max(a["token_accuracy"] for a in attacks.values())
     recovery_upper95 = max(a["token_accuracy_upper95"] for a in attacks.values())
     sigmas = exposed.sigmas
@@ -205,7 +241,8 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         "utility_losses": {use: utility_loss(util, use) for use in UTILITY_USES},
         "state_rel_l2": util.state_rel_l2,
         "recovery": float(recovery), "recovery_upper95": float(recovery_upper95),
-        "n_tokens": sum(len(ids) for ids in ctx.prompt_ids), "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
+        "n_tokens": sum(len(ids) for ids in done), "n_prompts": len(done), "claim": claim,
+        "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
         "attacks": attacks, "defense_params": chain.params(), "sigma_abs_median": float(sorted(sigmas)[len(sigmas) // 2]),
         "seconds": time.perf_counter() - started,
     }

@@ -19,7 +19,7 @@ from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTI
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment", "bound", "policy", "startup_trials", "robust")
+               "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts")
 #: what the threshold constrains: the one-sided 95% Clopper-Pearson upper bound of the strongest attack's
 #: token accuracy (a claim the trial's tokens can make), or its point estimate (studies made before)
 BOUNDS = ("upper95", "point")
@@ -30,6 +30,7 @@ MAY_BE_ZERO = {"radius_cap": 0}
 #: what a study stored before an option existed did in its place: it priced the served model, constrained the
 #: point estimate, ordered candidates by the gradient, drew 8 random startup trials and decoded noise with the
 #: radius stop; a budget stored before the radius decoder's cap had none (radius_cap 0: the vocabulary)
+#: radius stop; it attacked its n_prompts and no more (max_prompts = n_prompts, filled by stored_config)
 LEGACY = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius"}
 LEGACY_BUDGET = {"radius_cap": 0}
 
@@ -54,8 +55,11 @@ def check_budget(budget) -> dict:
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
-                bound="upper95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST) -> dict:
-    """Validated search configuration (everything that must agree between workers)."""
+                bound="upper95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None) -> dict:
+    """Validated search configuration (everything that must agree between workers).
+
+    ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
+    ``n_prompts`` leave the claim open (benchmarks.search_space.evaluate)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
     families = list(families or [])
@@ -94,11 +98,15 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
         raise SearchUsageError(f"--robust must be one of {', '.join(ROBUST)}, got {robust!r}")
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
+    if max_prompts is None:
+        max_prompts = prompts_for_claim(threshold, n_prompts, length) if bound == "upper95" else n_prompts
+    if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < n_prompts:
+        raise SearchUsageError(f"--max-prompts must be an integer >= --n-prompts ({n_prompts}), got {max_prompts!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
                 sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
-                bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust)
+                bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust, max_prompts=max_prompts)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):
@@ -146,7 +154,7 @@ def stored_config(config: dict) -> dict:
     what the study did then (:data:`LEGACY`, :data:`LEGACY_BUDGET`), the budget filled (:func:`check_budget`;
     a study stored without a budget ran the defaults). Idempotent: a full configuration comes back equal."""
     budget = {**LEGACY_BUDGET, **config["budget"]} if config.get("budget") else None
-    return {**LEGACY, **config, "budget": check_budget(budget)}
+    return {**LEGACY, "max_prompts": config["n_prompts"], **config, "budget": check_budget(budget)}
 
 
 def check_same_config(stored: dict, given: dict) -> None:
@@ -175,3 +183,51 @@ def tokens_needed(threshold: float, level: float = 0.95) -> int:
     if threshold <= 0:
         return math.inf
     return math.ceil(math.log(1 - level) / math.log1p(-threshold) - 1e-9)
+
+
+#: the power a study's second stage is sized for, at a true recovery of a third of the threshold
+CLAIM_POWER, CLAIM_RATE = 0.8, 1 / 3
+
+
+def claim_power(n: int, threshold: float, rate: float, level: float = 0.95, *, k_from: int = -1) -> tuple[float, int]:
+    """``(P(K <= k), k)`` for K ~ Binomial(n, rate) and k the most recovered tokens whose Clopper-Pearson upper
+    bound U(k, n) (benchmarks.metrics) is still <= ``threshold``: how often n attacked tokens prove a recovery
+    of ``rate`` under ``threshold``. k grows with n, so a caller stepping n up may start at ``k_from``."""
+    from scipy.stats import binom
+
+    from benchmarks.metrics import clopper_pearson_upper
+
+    k = k_from
+    while k + 1 < n and clopper_pearson_upper(k + 1, n, level) <= threshold:
+        k += 1
+    return (float(binom.cdf(k, n, rate)) if k >= 0 else 0.0), k
+
+
+def tokens_for_claim(threshold: float, *, rate: float | None = None, power: float = CLAIM_POWER,
+                     step: int = 1, limit: int = 200_000) -> int:
+    """The fewest tokens (a multiple of ``step``) that prove a recovery of ``rate`` (default threshold / 3)
+    under ``threshold`` with probability ``power`` (:func:`claim_power`).
+
+    Zero recovered tokens need only :func:`tokens_needed`, but an attacker who reads nothing from the
+    states still hits a frequent token now and then: at smollm2's last layer under 6-9 x RMS exposure
+    noise the adaptive head recovered 1 token in 100 in each of six trials, which bounds the recovery at
+    0.047. At a threshold of 0.03, 350 tokens prove a rate of 0.01 in 86% of trials (100 tokens: 37%)."""
+    if not 0 < threshold < 1:
+        raise ValueError(f"a claim needs a threshold in (0, 1), got {threshold}")
+    rate = threshold * CLAIM_RATE if rate is None else rate
+    n = math.ceil(tokens_needed(threshold) / step) * step
+    p, k = claim_power(n, threshold, rate)
+    while p < power:
+        n += step
+        if n > limit:
+            raise ValueError(f"no claim of recovery <= {threshold} within {limit} tokens")
+        p, k = claim_power(n, threshold, rate, k_from=k)
+    return n
+
+
+def prompts_for_claim(threshold: float, n_prompts: int, length: int) -> int:
+    """The prompts a trial attacks at most: enough for :func:`tokens_for_claim`, never fewer than ``n_prompts``
+    (threshold 0 can be claimed by no finite sample: ``n_prompts``)."""
+    if threshold <= 0:
+        return n_prompts
+    return max(n_prompts, tokens_for_claim(threshold, step=length) // length)

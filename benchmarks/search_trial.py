@@ -11,13 +11,17 @@ import math
 import sys
 from pathlib import Path
 
+from benchmarks.search_errors import SearchUsageError
 from benchmarks.search_runs import write_trial_file
 from benchmarks.search_space import AttackBudget, report_group
 from benchmarks.tracking import describe_error
 
 
 def trial_context(config: dict):
-    """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``."""
+    """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``.
+
+    The prompts are the ``n_prompts`` of the first stage, then those of the ``max_prompts`` set (same
+    seed) that are not among them: a trial whose first stage leaves the claim open attacks them too."""
     from benchmarks.prompts import named_prompt_set
     from benchmarks.search_space import TrialContext
     from sipit.models import load_model
@@ -25,9 +29,19 @@ def trial_context(config: dict):
 
     loaded = load_model(config["model"])
     layer = WhiteBox(loaded.model).resolve_layer(config["layer"])
-    prompt_ids = [p.ids for p in named_prompt_set(config["prompts"], loaded.tokenizer, config["n_prompts"],
-                                                  length=config["length"], seed=config["seed"]) if p.ids]
-    return TrialContext(loaded, layer, prompt_ids, seed=config["seed"], utility_tokens=config["utility_tokens"],
+
+    def prompt_ids(n: int) -> list[list[int]]:
+        try:
+            prompts = named_prompt_set(config["prompts"], loaded.tokenizer, n, length=config["length"],
+                                       seed=config["seed"])
+        except ValueError as err:
+            raise SearchUsageError(f"--prompts {config['prompts']}: {err}") from None
+        return [p.ids for p in prompts if p.ids]
+
+    first = prompt_ids(config["n_prompts"])
+    more = prompt_ids(config["max_prompts"]) if config["max_prompts"] > config["n_prompts"] else []
+    return TrialContext(loaded, layer, first + [ids for ids in more if ids not in first], first_stage=len(first),
+                        threshold=config["threshold"], seed=config["seed"], utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
                         utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
 
@@ -94,8 +108,8 @@ def constrained_recovery(m: dict, config: dict) -> float:
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
     for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-                "n_tokens", "strongest_attack", "seconds", "sigma_abs_median", "reused_from", "use_metrics",
-                "utility_losses"):
+                "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds", "sigma_abs_median", "reused_from",
+                "use_metrics", "utility_losses"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
@@ -121,7 +135,8 @@ def _reuse(study, trial) -> dict | None:
             u = t.user_attrs
             attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                              "recovery", "recovery_upper95", "n_tokens", "strongest_attack",
+                                              "recovery", "recovery_upper95", "n_tokens", "n_prompts", "claim",
+                                              "strongest_attack",
                                               "sigma_abs_median", "use_metrics", "utility_losses")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}

@@ -466,12 +466,13 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
     assert tokens_needed(0.01) == 299 and clopper_pearson_upper(0, 299) <= 0.01 < clopper_pearson_upper(0, 298)
     quiet = dict(track=False, log=lambda *a, **k: None)
     upper = {**FAST, "bound": "upper95", "families": "noise"}
-    small = run_search(str(tmp_path / "u4.journal"), "u4", 3, out=tmp_path / "o4", **quiet, **upper)["report"]
+    small = run_search(str(tmp_path / "u4.journal"), "u4", 3, out=tmp_path / "o4", **quiet,
+                       **{**upper, "max_prompts": 1})["report"]
     assert small["best"] is None and not any(r["feasible"] for r in small["trials"])
     assert f"the claim needs at least {tokens_needed(0.3)} tokens per trial" in small["claim_note"]
     assert "No trial can be feasible: 4 attacked tokens" in (tmp_path / "o4" / "report.md").read_text()
     enough = run_search(str(tmp_path / "u12.journal"), "u12", 4, out=tmp_path / "o12", **quiet,
-                        **{**upper, "n_prompts": 3})["report"]
+                        **{**upper, "n_prompts": 3, "max_prompts": 3})["report"]
     assert enough["claim_note"] is None  # 12 tokens: zero recovered bounds the accuracy at 0.22 < 0.3
     trials = {t.number: t for t in _trials(str(tmp_path / "u12.journal"), "u12") if t.state == TrialState.COMPLETE}
     for row in enough["trials"]:
@@ -479,6 +480,44 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
         assert u["n_tokens"] == 12 and u["recovery_upper95"] >= u["recovery"]
         assert math.isclose(trials[row["trial"]].constraints["recovery"], u["recovery_upper95"] - 0.3)
         assert row["feasible"] == (u["recovery_upper95"] <= 0.3)
+
+
+def test_a_trial_attacks_more_prompts_only_while_its_first_ones_leave_the_claim_open():
+    """Two stages: a setting that plainly leaks stops after the first prompts ("leaks": the lower bound is
+    over the threshold); one whose first prompts can prove nothing attacks all max_prompts and is judged on
+    them; the first stage's prompts and noise are the same either way."""
+    from benchmarks.search_space import evaluate
+    from benchmarks.search_trial import trial_context
+
+    config = search.make_config(**{**FAST, "bound": "upper95", "n_prompts": 2, "max_prompts": 6, "length": 4,
+                                   "threshold": 0.2}, mode="constrained", seed=0, prompts="natural",
+                                tying_method="rare", experiment="e")
+    ctx = trial_context(config)
+    assert ctx.first_stage == 2 and len(ctx.prompt_ids) == 6 and len({tuple(p) for p in ctx.prompt_ids}) == 6
+    first = trial_context({**config, "max_prompts": 2}).prompt_ids
+    assert ctx.prompt_ids[:2] == first
+    clear = evaluate(ctx, ["noise"], {"sigma": 1e-4, "relative_to": "rms", "placement": "exposure"})
+    assert clear["claim"] == "leaks" and (clear["n_prompts"], clear["n_tokens"]) == (2, 8) and clear["recovery"] > 0.8
+    drowned = evaluate(ctx, ["noise"], {"sigma": 50.0, "relative_to": "rms", "placement": "exposure"})
+    assert (drowned["n_prompts"], drowned["n_tokens"]) == (6, 24)
+    sipit = drowned["attacks"]["sipit"]["rates"]["token_accuracy"]
+    assert sipit["n"] == 24 and drowned["claim"] == ("holds" if drowned["recovery_upper95"] <= 0.2 else "open")
+
+
+def test_a_second_stage_is_sized_to_prove_a_third_of_the_threshold_four_times_in_five():
+    """tokens_for_claim: the fewest tokens whose Clopper-Pearson bound proves a true recovery of threshold / 3
+    in 80% of samples (one recovered token in 100 bounds 0.047 > 0.03; 303 tokens prove 0.01 < 0.03)."""
+    from benchmarks.search_study import claim_power, prompts_for_claim, tokens_for_claim
+
+    n = tokens_for_claim(0.03)
+    assert claim_power(n, 0.03, 0.01)[0] >= 0.8 > max(claim_power(m, 0.03, 0.01)[0] for m in range(100, n))
+    assert claim_power(100, 0.03, 0.01) == pytest.approx((0.366, 0), abs=1e-3)  # only k = 0 proves it at 100 tokens
+    assert prompts_for_claim(0.03, 10, 10) * 10 >= n and prompts_for_claim(0.5, 10, 10) == 10
+    assert search.make_config(**{**FAST, "bound": "upper95", "threshold": 0.03, "length": 10}, mode="constrained",
+                              seed=0, prompts="mixed", tying_method="rare", experiment="e")["max_prompts"] == 35
+    with pytest.raises(SearchUsageError, match="--max-prompts"):
+        search.make_config(**{**FAST, "n_prompts": 3, "max_prompts": 2}, mode="constrained", seed=0, prompts="mixed",
+                           tying_method="rare", experiment="e")
 
 
 def test_a_setting_that_cannot_serve_the_use_is_no_answer_for_it(tmp_path):

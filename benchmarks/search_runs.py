@@ -151,7 +151,7 @@ class TrialRuns:
         done = 0
         for t in pending:
             try:
-                logged = self._relog(t)
+                logged = self.relog(t)
             except Exception as err:  # noqa: BLE001
                 self.log(f"[search] re-logging trial {t.number} to MLflow failed: {describe_error(err)}")
                 break
@@ -159,7 +159,7 @@ class TrialRuns:
             done += logged
         return done
 
-    def _relog(self, trial, why: str = "logged after MLflow was unreachable during the trial") -> bool:
+    def relog(self, trial, why: str = "logged after MLflow was unreachable during the trial") -> bool:
         """The trial's run (its existing one, else a new one) with params and metrics, FINISHED, tagged
         ``relogged`` = ``why``.
 
@@ -203,30 +203,48 @@ def config_sha(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+#: the ``kind`` tag of a study's parent run
+STUDY_KIND = "optuna-search"
+
+
+def start_study_run(tracker: Tracker, study_name: str, config: dict, *, params: dict | None = None,
+                    tags: dict | None = None) -> str:
+    """The study's MLflow parent run ``search-<study>``: the configuration (and ``params``) as parameters,
+    tagged with the study's name, :func:`config_sha` and ``kind`` (and ``tags``), so :func:`find_study_run`
+    finds it again."""
+    return tracker.start_parent(f"search-{study_name}", {"config": config, **(params or {})},
+                                {"study": study_name, "config_sha": config_sha(config), "kind": STUDY_KIND,
+                                 **(tags or {})})
+
+
+def find_study_run(tracker: Tracker, study_name: str, config: dict) -> str | None:
+    """The id of the parent run :func:`start_study_run` made for this study and configuration, or None.
+
+    The filter names only the hash (a study name may hold quotes); the name is compared here."""
+    found = tracker.client.search_runs([tracker.experiment_id],
+                                       f"tags.config_sha = '{config_sha(config)}' and tags.kind = '{STUDY_KIND}'")
+    return next((r.info.run_id for r in found if r.data.tags.get("study") == study_name), None)
+
+
 def imported_runs(study, *, tracking_uri=None, log=print) -> TrialRuns:
     """MLflow runs for a study that ran untracked (``--no-tracking``), made when its report is written.
 
     The parent run is tagged with the study's name and :func:`config_sha`; a later report finds it
-    again instead of making a second one. Every COMPLETE trial without a FINISHED run gets one, with
-    its parameters and metrics (:func:`trial_metrics`, as a tracked trial would have). The study's
-    storage is not written, so a journal kept in the repository names no one's MLflow store.
+    again (:func:`find_study_run`) instead of making a second one. Every COMPLETE trial without a
+    FINISHED run gets one, with its parameters and metrics (:func:`trial_metrics`, as a tracked trial
+    would have). The study's storage is not written, so a journal kept in the repository names no
+    one's MLflow store.
     """
     from optuna.trial import TrialState
 
     config = study.user_attrs["config"]
-    sha = config_sha(config)
     tracker = Tracker(tracking_uri, config["experiment"])
-    found = tracker.client.search_runs([tracker.experiment_id], f"tags.study = '{study.study_name}' and "
-                                       f"tags.config_sha = '{sha}' and tags.kind = 'optuna-search'")
-    if found:
-        tracker.parent_id = found[0].info.run_id
-    else:
-        tracker.start_parent(f"search-{study.study_name}", {"config": config},
-                             {"study": study.study_name, "config_sha": sha, "kind": "optuna-search",
-                              "imported": "the study ran untracked; its runs were made from its storage"})
+    tracker.parent_id = find_study_run(tracker, study.study_name, config) or start_study_run(
+        tracker, study.study_name, config,
+        tags={"imported": "the study ran untracked; its runs were made from its storage"})
     runs = TrialRuns(tracker, study.study_name, process_name(), log)
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "recovery" in t.user_attrs]
-    made = sum(runs._relog(t, "made from the study's storage when its report was written") for t in done)
+    made = sum(runs.relog(t, "made from the study's storage when its report was written") for t in done)
     log(f"[search] MLflow {tracker.uri}: parent run {tracker.parent_id} of study {study.study_name!r}, "
         f"{made} trial run(s) made now, {len(done) - made} there already")
     return runs

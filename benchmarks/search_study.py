@@ -13,7 +13,7 @@ import json
 import math
 
 from benchmarks.search_errors import SearchUsageError
-from benchmarks.search_runs import PARENT_ATTR
+from benchmarks.search_runs import PARENT_ATTR, start_study_run
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTILITY_USES, AttackBudget
 
 MODES = ("constrained", "pareto")
@@ -142,8 +142,8 @@ def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, t
         from benchmarks.tracking import Tracker, git_commit, package_versions
 
         tracker = Tracker(tracking_uri, config["experiment"])
-        parent = tracker.start_parent(f"search-{study_name}", {"config": config, "packages": package_versions()},
-                                      {"study": study_name, "git_commit": git_commit(), "kind": "optuna-search"})
+        parent = start_study_run(tracker, study_name, config, params={"packages": package_versions()},
+                                 tags={"git_commit": git_commit()})
         study.set_user_attr(PARENT_ATTR, parent)
         study.set_user_attr("tracking_uri", tracker.uri)
     return study

@@ -167,17 +167,18 @@ def test_pareto_mode_front_is_non_dominated(tmp_path):
 
 def test_a_study_that_ran_untracked_reaches_mlflow_when_its_report_is_written(tmp_path):
     """--no-tracking studies (the committed smollm2 journals) are reviewed in MLflow like tracked ones:
-    the report step makes the parent run and one FINISHED run per trial, once, and leaves the journal alone."""
-    storage, uri = str(tmp_path / "u.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    the report step makes the parent run and one FINISHED run per trial, once, and leaves the journal alone
+    (a quote in the study's name is no trouble: MLflow's filter names only the configuration's hash)."""
+    storage, uri, name = str(tmp_path / "u.journal"), f"sqlite:///{tmp_path / 'mlflow.db'}", "it's untracked"
     quiet = lambda *a, **k: None  # noqa: E731
-    run_search(storage, "untracked", 3, track=False, log=quiet, out=tmp_path / "o", **FAST)
+    run_search(storage, name, 3, track=False, log=quiet, out=tmp_path / "o", **FAST)
     for _ in range(2):  # the second report finds the parent run the first one made
-        run_search(storage, "untracked", 3, report_only=True, tracking_uri=uri, log=quiet, out=tmp_path / "r", **FAST)
+        run_search(storage, name, 3, report_only=True, tracking_uri=uri, log=quiet, out=tmp_path / "r", **FAST)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("sipit-search").experiment_id
-    parents = client.search_runs([experiment], "tags.study = 'untracked' and tags.kind = 'optuna-search'")
+    parents = [r for r in client.search_runs([experiment], "tags.kind = 'optuna-search'") if r.data.tags["study"] == name]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    complete = [t for t in _trials(storage, "untracked") if t.state == TrialState.COMPLETE]
+    complete = [t for t in _trials(storage, name) if t.state == TrialState.COMPLETE]
     children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     by_trial = {int(r.data.tags["trial"]): r for r in children}
     assert len(children) == len(by_trial) == len(complete) == 3  # one run per trial, none made twice
@@ -187,7 +188,7 @@ def test_a_study_that_ran_untracked_reaches_mlflow_when_its_report_is_written(tm
         assert run.data.params["trial"] == str(t.number)
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"report.json", "report.md", "pareto_uses.png"} <= artifacts
-    study = optuna.load_study(study_name="untracked", storage=search.open_storage(storage))
+    study = optuna.load_study(study_name=name, storage=search.open_storage(storage))
     assert search.PARENT_ATTR not in study.user_attrs
 
 

@@ -140,7 +140,7 @@ class CandidateScorer:
                  ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096,
                  head_config: HeadConfig | None = None):
         if exact_positions is None:
-            exact_positions = 1 if ranking.startswith("learned") else 2
+            exact_positions = 1 if "learned" in ranking.split("+") else 2
         if min(k_prior, rounds, extra_rounds, exact_positions) < 0 or min(k_grad, k_proxy, n_rerank) < 1:
             raise ValueError("need k_prior, rounds, extra_rounds, exact_positions >= 0 and k_grad, k_proxy, "
                              "n_rerank >= 1")
@@ -155,11 +155,16 @@ class CandidateScorer:
         self.head_config = head_config or HeadConfig()  # the learned ranking's heads (noise set by prepare)
         self._learned: LearnedPolicy | None = None
 
+    @property
+    def rankings(self) -> tuple[str, ...]:
+        """The rankings whose rounds build the shortlist, in order (``learned+surrogate``: both)."""
+        return tuple(self.ranking.split("+"))
+
     def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
         """The inverse heads of ``ranking="learned"``, adapted to noise ``sigma`` rounded to the heads'
         grid (attacks.proposals.head_noise; one-time per model, layer and grid sigma); nothing for the
         other rankings."""
-        if not self.ranking.startswith("learned"):
+        if "learned" not in self.rankings:
             return []
         self._learned = LearnedPolicy(replace(self.head_config, noise=head_noise(float(sigma))))
         return self._learned.prepare(whitebox, layer, tokenizer)
@@ -184,14 +189,13 @@ class CandidateScorer:
         shortlist = _Shortlist(whitebox, prefix, target)
         if prior_logprobs is not None and self.k_prior > 0:
             shortlist.run(torch.topk(prior_logprobs, min(self.k_prior, whitebox.vocab_size)).indices.cpu())
-        if self.ranking == "gradient":
-            self._gradient_rounds(shortlist, prior_logprobs, sigma)
-        elif self.ranking.startswith("learned"):
-            self._learned_rounds(shortlist, prior_logprobs, sigma)
-            if self.ranking == "learned+surrogate":
+        for ranking in self.rankings:
+            if ranking == "gradient":
+                self._gradient_rounds(shortlist, prior_logprobs, sigma)
+            elif ranking == "learned":
+                self._learned_rounds(shortlist, prior_logprobs, sigma)
+            else:
                 self._surrogate_rounds(shortlist, sigma, borrow)
-        else:
-            self._surrogate_rounds(shortlist, sigma, borrow)
         return shortlist.scored()
 
     def _implausible(self, shortlist: "_Shortlist", sigma: float | None) -> bool:

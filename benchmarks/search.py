@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts attacked per trial (x --length: 300 tokens let zero recovered bound the recovery "
                         "under 1%%)")
     s.add_argument("--max-prompts", type=int, default=None,
-                   help="prompts a trial attacks when its first --n-prompts leave the claim open (the strongest "
-                        "attack's 95%% bounds straddle the threshold); default: enough tokens to prove a recovery "
+                   help="prompts a trial attacks unless its first --n-prompts already show a leak (the strongest "
+                        "attack's 95%% lower bound over the threshold); default: enough tokens to prove a recovery "
                         "of a third of the threshold under it 4 times in 5 (benchmarks.search_study.tokens_for_claim; "
                         "threshold 0.03, 10 tokens per prompt: 35)")
     s.add_argument("--length", type=int, default=20)

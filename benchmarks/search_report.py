@@ -92,11 +92,11 @@ def claim_note(config: dict, threshold: float) -> str | None:
 
 
 def stages_note(config: dict) -> str:
-    """How many prompts a trial attacks: ``n_prompts``, and ``max_prompts`` when those leave the claim open."""
+    """How many prompts a trial attacks: ``n_prompts``, and ``max_prompts`` unless those already show a leak."""
     if config["max_prompts"] == config["n_prompts"]:
         return f"{config['n_prompts']} x {config['length']} tokens"
     return (f"{config['n_prompts']} x {config['length']} tokens, {config['max_prompts']} x {config['length']} when "
-            "the first leave the claim open (search_space.claim_after)")
+            "the first show no leak (search_space.claim_after)")
 
 
 def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:

@@ -138,8 +138,8 @@ class TrialContext:
     exposure noise 0.4 x RMS: MAP 0.73, the radius stop 0.49, MAP on the gradient shortlist 0.27
     (docs/search.md).
 
-    A trial attacks the first ``first_stage`` prompts, and the rest of ``prompt_ids`` only when those leave
-    the claim about ``threshold`` open (:func:`claim_after`)."""
+    A trial attacks the first ``first_stage`` prompts, and the rest of ``prompt_ids`` unless those already
+    show a leak above ``threshold`` (:func:`claim_after`)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",
@@ -175,17 +175,13 @@ def utility_loss(util, use: str) -> float:
     return math.inf if loss is None else float(loss)
 
 
-#: what a trial's attacked tokens establish about the threshold (:func:`claim_after`)
-CLAIMS = ("leaks", "holds", "open")
-
-
 def claim_after(attacks: dict[str, dict], threshold: float) -> str:
     """``leaks`` when the strongest attack's one-sided 95% Clopper-Pearson lower bound of its token accuracy
     is above ``threshold``, ``holds`` when every attack's upper bound is at or under it, else ``open``.
 
-    A trial whose first stage is ``open`` attacks its second-stage prompts too, and is judged on all of them.
-    Stopping early only ever declares a leak, so a ``holds`` claim errs no more often than with a fixed
-    sample: the chance of a wrong ``holds`` is at most that of the full sample's upper bound, 5%."""
+    :func:`evaluate` stops after the first stage only on ``leaks``; ``holds`` is only ever claimed on all
+    of a trial's prompts. So early stopping removes chances to claim ``holds`` and adds none: a wrong
+    ``holds`` is at most as likely as with the full fixed sample, 5%."""
     from benchmarks.metrics import clopper_pearson_lower
 
     rates = [a["rates"]["token_accuracy"] for a in attacks.values()]
@@ -197,8 +193,8 @@ def claim_after(attacks: dict[str, dict], threshold: float) -> str:
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
     """Utility cost and per-attack recovery of one defence setting (the trial's measurement).
 
-    Every attack inverts the first-stage prompts; when :func:`claim_after` leaves the claim open, it
-    inverts the remaining prompts of ``ctx.prompt_ids`` as well (their states were exposed with the
+    Every attack inverts the first-stage prompts; unless :func:`claim_after` finds a leak, it inverts
+    the remaining prompts of ``ctx.prompt_ids`` as well (their states were exposed with the
     first ones, in order, so the first stage's noise does not depend on the second)."""
     from benchmarks.metrics import summarise
     from benchmarks.pipeline import attack_for, expose, invert_all, train_softmax_head
@@ -227,7 +223,7 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         attacks = {name: {"decoder": decoder, **summarise(name, done, inversions[name]).to_dict()}
                    for name, (decoder, _) in makers.items()}
         claim = claim_after(attacks, ctx.threshold)
-        if claim != "open":
+        if claim == "leaks":
             break
     recovery = max(a["token_accuracy"] for a in attacks.values())
     recovery_upper95 = max(a["token_accuracy_upper95"] for a in attacks.values())

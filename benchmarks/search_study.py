@@ -59,7 +59,7 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
     """Validated search configuration (everything that must agree between workers).
 
     ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
-    ``n_prompts`` leave the claim open (benchmarks.search_space.evaluate)."""
+    ``n_prompts`` show no leak (benchmarks.search_space.evaluate)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
     families = list(families or [])

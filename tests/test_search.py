@@ -483,10 +483,10 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
         assert row["feasible"] == (u["recovery_upper95"] <= 0.3)
 
 
-def test_a_trial_attacks_more_prompts_only_while_its_first_ones_leave_the_claim_open():
+def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
     """Two stages: a setting that plainly leaks stops after the first prompts ("leaks": the lower bound is
-    over the threshold); one whose first prompts can prove nothing attacks all max_prompts and is judged on
-    them; the first stage's prompts and noise are the same either way."""
+    over the threshold); one whose first prompts show no leak attacks all max_prompts and is judged on
+    them (a "holds" is claimed on the full sample only); the first stage's prompts are the same either way."""
     from benchmarks.search_space import evaluate
     from benchmarks.search_trial import trial_context
 

@@ -21,7 +21,7 @@ def trial_context(config: dict):
     """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``.
 
     The prompts are the ``n_prompts`` of the first stage, then those of the ``max_prompts`` set (same
-    seed) that are not among them: a trial whose first stage leaves the claim open attacks them too."""
+    seed) that are not among them: a trial whose first stage shows no leak attacks them too."""
     from benchmarks.prompts import named_prompt_set
     from benchmarks.search_space import TrialContext
     from sipit.models import load_model
@@ -136,8 +136,8 @@ def _reuse(study, trial) -> dict | None:
             attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
                                               "recovery", "recovery_upper95", "n_tokens", "n_prompts", "claim",
-                                              "strongest_attack",
-                                              "sigma_abs_median", "use_metrics", "utility_losses")},
+                                              "strongest_attack", "sigma_abs_median", "use_metrics",
+                                              "utility_losses")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}
     return None

@@ -486,12 +486,13 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
 def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
     """Two stages: a setting that plainly leaks stops after the first prompts ("leaks": the lower bound is
     over the threshold); one whose first prompts show no leak attacks all max_prompts and is judged on
-    them (a "holds" is claimed on the full sample only); the first stage's prompts are the same either way."""
+    them (a "holds" is claimed on the full sample only, even where the first 8 tokens could already bound the
+    recovery under the threshold, 0.31 < 0.35); the first stage's prompts are the same either way."""
     from benchmarks.search_space import evaluate
     from benchmarks.search_trial import trial_context
 
     config = search.make_config(**{**FAST, "bound": "upper95", "n_prompts": 2, "max_prompts": 6, "length": 4,
-                                   "threshold": 0.2}, mode="constrained", seed=0, prompts="natural",
+                                   "threshold": 0.35}, mode="constrained", seed=0, prompts="natural",
                                 tying_method="rare", experiment="e")
     ctx = trial_context(config)
     assert ctx.first_stage == 2 and len(ctx.prompt_ids) == 6 and len({tuple(p) for p in ctx.prompt_ids}) == 6
@@ -502,7 +503,7 @@ def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
     drowned = evaluate(ctx, ["noise"], {"sigma": 50.0, "relative_to": "rms", "placement": "exposure"})
     assert (drowned["n_prompts"], drowned["n_tokens"]) == (6, 24)
     sipit = drowned["attacks"]["sipit"]["rates"]["token_accuracy"]
-    assert sipit["n"] == 24 and drowned["claim"] == ("holds" if drowned["recovery_upper95"] <= 0.2 else "open")
+    assert sipit["n"] == 24 and drowned["claim"] == ("holds" if drowned["recovery_upper95"] <= 0.35 else "open")
 
 
 def test_a_second_stage_is_sized_to_prove_a_third_of_the_threshold_four_times_in_five():

@@ -11,6 +11,13 @@ U = Beta^-1(0.95; k + 1, n - k) (U = 1 when k = n), so that zero recovered out o
 k = 0). For token accuracy it treats tokens as independent, which
 they are not within a prompt: read it next to the clustered se.
 
+Chance: an attacker that reads nothing from the states still hits a frequent token now and then. Its
+chance level is measured on the same run by scoring each prompt's recovered tokens against every *other*
+prompt's true tokens, position by position (:func:`chance_hits`): c = k_c / n_c over all ordered pairs
+i != j. Leakage above chance is p - c; its one-sided 95% bounds (:func:`excess_bounds`) combine a 97.5%
+Clopper-Pearson bound of each (U_p - L_c and L_p - U_c: both hold together with probability >= 95%, by
+the union bound), the n_c comparisons treated as independent like the tokens above.
+
 Order-free leakage: ``bag_f1`` is the mean over prompts of the F1 between the multisets of
 recovered and true tokens (overlap = sum_v min(#v recovered, #v true)), so a prompt recovered in
 the wrong order, or with a shifted span, still counts what leaked. Every attack here returns as many tokens as the prompt has, and then
@@ -55,6 +62,10 @@ class AttackSummary:
     span_recall_se: float = float("nan")
     span_recall_upper95: float = float("nan")
     n_spans: int = 0
+    chance_hits: int = 0
+    chance_comparisons: int = 0
+    token_accuracy_chance: float = float("nan")
+    token_accuracy_excess_upper95: float = float("nan")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rates": rates(self)}
@@ -65,15 +76,21 @@ RATES = {"exact_match": "n_prompts", "token_accuracy": "n_tokens", "bag_f1": "n_
 
 
 def rates(summary: AttackSummary) -> dict[str, dict]:
-    """Each rate of :data:`RATES` as ``{"value", "n", "se", "upper95"}`` (NaN value: nothing to rate)."""
-    return {name: {"value": getattr(summary, name), "n": getattr(summary, n_field),
-                   "se": getattr(summary, f"{name}_se"), "upper95": getattr(summary, f"{name}_upper95")}
-            for name, n_field in RATES.items()}
+    """Each rate of :data:`RATES` as ``{"value", "n", "se", "upper95"}`` (NaN value: nothing to rate); token
+    accuracy adds its ``chance`` level, the counts it rests on and ``excess_upper95`` (module docstring)."""
+    out = {name: {"value": getattr(summary, name), "n": getattr(summary, n_field),
+                  "se": getattr(summary, f"{name}_se"), "upper95": getattr(summary, f"{name}_upper95")}
+           for name, n_field in RATES.items()}
+    out["token_accuracy"].update(chance=summary.token_accuracy_chance, chance_hits=summary.chance_hits,
+                                 chance_comparisons=summary.chance_comparisons,
+                                 excess_upper95=summary.token_accuracy_excess_upper95)
+    return out
 
 
 def defence_leakage(attacks: dict[str, dict]) -> dict[str, dict]:
     """A defence's leakage: per rate, the attack with the largest value (``attack``) and the largest
-    upper bound over all attacks (``upper95``), so a defence is judged by its strongest attacker."""
+    upper bound over all attacks (``upper95``, and ``excess_upper95`` above chance where the rate has one),
+    so a defence is judged by its strongest attacker."""
     out = {}
     for name in RATES:
         rated = [(a, s["rates"][name]) for a, s in attacks.items() if "rates" in s and _finite(s["rates"][name]["value"])]
@@ -81,6 +98,8 @@ def defence_leakage(attacks: dict[str, dict]) -> dict[str, dict]:
             continue
         attack, best = max(rated, key=lambda item: item[1]["value"])
         out[name] = {**best, "attack": attack, "upper95": max(r["upper95"] for _, r in rated)}
+        if "excess_upper95" in best:
+            out[name]["excess_upper95"] = max(r["excess_upper95"] for _, r in rated)
     return out
 
 
@@ -119,6 +138,35 @@ def clopper_pearson_lower(k: int, n: int, level: float = 0.95) -> float:
     if n <= 0:
         return float("nan")
     return 0.0 if k <= 0 else float(beta.ppf(1.0 - level, k, n - k + 1))
+
+
+def chance_hits(truths: list[list[int]], recovered: list[list[int]]) -> tuple[int, int]:
+    """``(k_c, n_c)``: the hits of each prompt's recovered tokens on every other prompt's true tokens, and the
+    comparisons made, k_c = sum_{i != j} sum_t [r_i[t] = x_j[t]], n_c = sum_{i != j} min(|r_i|, |x_j|)."""
+    hits = comparisons = 0
+    for i, ids in enumerate(recovered):
+        for j, truth in enumerate(truths):
+            if i != j:
+                hits += sum(a == b for a, b in zip(ids, truth))
+                comparisons += min(len(ids), len(truth))
+    return hits, comparisons
+
+
+def excess_bounds(k: int, n: int, k_chance: int, n_chance: int, level: float = 0.95) -> tuple[float, float]:
+    """One-sided ``level`` bounds of the recovery above chance p - c, from k of n true hits and k_chance of
+    n_chance chance hits (:func:`chance_hits`): (L_p - U_c, U_p - L_c), each bound of p and c taken at
+    1 - (1 - level) / 2, clipped to [0, 1]. Without chance comparisons (one prompt) c is only known to
+    lie in [0, 1]."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    each = 1.0 - (1.0 - level) / 2
+    if n_chance > 0:
+        chance_low, chance_high = clopper_pearson_lower(k_chance, n_chance, each), clopper_pearson_upper(k_chance, n_chance, each)
+    else:
+        chance_low, chance_high = 0.0, 1.0
+    lower = clopper_pearson_lower(k, n, each) - chance_high
+    upper = clopper_pearson_upper(k, n, each) - chance_low
+    return min(max(lower, 0.0), 1.0), min(max(upper, 0.0), 1.0)
 
 
 def bag_overlap(recovered: list[int], truth: list[int]) -> int:
@@ -172,6 +220,8 @@ def summarise(attack: str, truths: list[list[int]], inversions: list,
     eligible = sum(e for e, _ in span_counts or [])
     leaked = sum(k for _, k in span_counts or [])
     span_recall = leaked / eligible if eligible else float("nan")
+    hits = sum(sum(c) for c in correct)
+    k_chance, n_chance = chance_hits(truths[:n], [inv.ids for _, inv in pairs])
     return AttackSummary(
         attack=attack,
         exact_match=exact,
@@ -184,7 +234,7 @@ def summarise(attack: str, truths: list[list[int]], inversions: list,
         candidates_per_position=tried / n_tokens if n_tokens else float("nan"),
         explored_fraction=tried / (n_tokens * vocab) if n_tokens and vocab else float("nan"),
         exact_match_upper95=clopper_pearson_upper(sum(inv.ids == truth for truth, inv in pairs), n),
-        token_accuracy_upper95=clopper_pearson_upper(sum(sum(c) for c in correct), n_tokens),
+        token_accuracy_upper95=clopper_pearson_upper(hits, n_tokens),
         bag_f1=statistics.fmean(bags) if n else float("nan"),
         bag_f1_se=statistics.stdev(bags) / math.sqrt(n) if n > 1 else float("nan"),
         bag_f1_upper95=clopper_pearson_upper(overlap, n_tokens),
@@ -192,6 +242,10 @@ def summarise(attack: str, truths: list[list[int]], inversions: list,
         span_recall_se=proportion_se(span_recall, eligible) if eligible else float("nan"),
         span_recall_upper95=clopper_pearson_upper(leaked, eligible),
         n_spans=eligible,
+        chance_hits=k_chance,
+        chance_comparisons=n_chance,
+        token_accuracy_chance=k_chance / n_chance if n_chance else float("nan"),
+        token_accuracy_excess_upper95=excess_bounds(hits, n_tokens, k_chance, n_chance)[1],
     )
 
 

@@ -57,6 +57,13 @@ def write_outputs(out: Path, state: RunState) -> list[Path]:
     return paths
 
 
+def _above_chance(rate: dict) -> str:
+    """``; chance c, above it <= u`` for a rate that carries its chance level (benchmarks.metrics.rates)."""
+    if rate.get("excess_upper95") is None or rate.get("chance") is None:
+        return ""
+    return f"; chance {rate['chance']:.3f}, above it <= {rate['excess_upper95']:.3f}"
+
+
 def format_table(results: dict) -> str:
     lines = [results.get("title", ""), ""]
     head = f"{'attack':<24} {'decoder':<32} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
@@ -77,7 +84,8 @@ def format_table(results: dict) -> str:
     leak = results.get("leakage") or {}
     if leak:
         lines.append("defence leakage (max over attacks, 95% upper): " + ", ".join(
-            f"{name} {r['value']:.3f} by {r['attack']} (<= {r['upper95']:.3f}, n={r['n']})" for name, r in leak.items()))
+            f"{name} {r['value']:.3f} by {r['attack']} (<= {r['upper95']:.3f}" + _above_chance(r) + f", n={r['n']})"
+            for name, r in leak.items()))
     grouped = {name: s for name, s in results.get("attacks", {}).items() if "group_accuracy" in s}
     if grouped:
         lines.append("tied groups: " + "; ".join(f"{name} recovers the group at {s['group_accuracy']:.3f} of positions, "
@@ -149,13 +157,16 @@ def flat_metrics(results: dict) -> dict:
     for name, s in results.get("attacks", {}).items():
         for key in ("exact_match", "token_accuracy", "token_accuracy_se", "seconds_per_prompt", "candidates_per_position",
                     "exact_match_upper95", "token_accuracy_upper95", "bag_f1", "bag_f1_upper95", "span_recall",
-                    "span_recall_upper95", "n_spans", "group_accuracy", "group_member_accuracy",
+                    "span_recall_upper95", "n_spans", "token_accuracy_chance", "token_accuracy_excess_upper95",
+                    "group_accuracy", "group_member_accuracy",
                     "tied_positions", "tied_member_accuracy"):
             if key in s:
                 metrics[f"{name}.{key}"] = s[key]
     for rate, r in (results.get("leakage") or {}).items():
         metrics[f"defence.{rate}"] = r["value"]
         metrics[f"defence.{rate}_upper95"] = r["upper95"]
+        if "excess_upper95" in r:
+            metrics[f"defence.{rate}_excess_upper95"] = r["excess_upper95"]
     for variant, h in (results.get("heads") or {}).items():
         for key in ("train_accuracy", "heldout_accuracy", "heldout_accuracy_exposed", "coverage"):
             if h.get(key) is not None:

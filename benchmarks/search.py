@@ -89,7 +89,7 @@ def run_search(
     length: int = 20,
     utility_tokens: int = 128,
     utility_use: str = "continued",
-    bound: str = "upper95",
+    bound: str = "excess95",
     policy: str = "learned",
     robust: str = SEARCH_ROBUST,
     startup_trials: int = 8,
@@ -259,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--families", default=",".join(FAMILIES), help=f"comma list from {', '.join(FAMILIES)}")
     s.add_argument("--mode", default="constrained", choices=MODES)
     s.add_argument("--threshold", type=float, default=0.01, help="max recovery (token accuracy) of a feasible setting")
-    s.add_argument("--bound", default="upper95", choices=BOUNDS,
-                   help="what the threshold constrains: upper95 = the one-sided 95%% Clopper-Pearson upper bound of "
+    s.add_argument("--bound", default="excess95", choices=BOUNDS,
+                   help="what the threshold constrains: excess95 = the one-sided 95%% upper bound of the strongest "
+                        "attack's token accuracy above its chance level (its hits on the other prompts' tokens, "
+                        "benchmarks.metrics.excess_bounds), upper95 = the one-sided 95%% Clopper-Pearson upper bound of "
                         "the strongest attack's token accuracy (zero recovered tokens prove <= 1%% only from 299 "
                         "tokens: --n-prompts x --length), point = the measured accuracy")
     s.add_argument("--seed", type=int, default=0)

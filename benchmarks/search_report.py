@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks.metrics import clopper_pearson_upper
 from benchmarks.search_runs import PARENT_ATTR, imported_runs, study_runs
 from benchmarks.search_space import UTILITY_USES
-from benchmarks.search_study import stored_config, tokens_needed, trial_counts
+from benchmarks.search_study import CONSTRAINED, stored_config, tokens_needed, trial_counts
 
 #: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
 USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states",
@@ -26,7 +26,7 @@ USE_NAMES = {"served": "served model", "continued": "inference continued from th
 LOSS_NAMES = {"served": ("perplexity increase", "ppl"), "continued": ("perplexity increase", "ppl"),
               "embedding_store": ("recall@1 lost", "loss"), "probing": ("probe accuracy lost", "loss")}
 CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-              "recovery", "recovery_upper95", "n_tokens", "claim", "attacks", "feasible", "retry_of", "reused_from"]
+              "recovery", "recovery_upper95", "recovery_excess_upper95", "n_tokens", "claim", "attacks", "feasible", "retry_of", "reused_from"]
 
 
 def _loss_names(config: dict) -> tuple[str, str]:
@@ -45,12 +45,14 @@ def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
 def _row(trial, threshold: float, bound: str) -> dict:
     """One COMPLETE trial as a report row (``bound``: what the threshold applies to, search_study.BOUNDS)."""
     u = trial.user_attrs
-    constrained = u["recovery_upper95"] if bound == "upper95" else u["recovery"]
+    constrained = u[CONSTRAINED[bound]]
     return {"trial": trial.number, "group": u["group"], "family": u["family"], "params": trial.params,
             "utility_loss": u["utility_loss"], "utility_losses": u.get("utility_losses", {}), "ppl_rel_increase": u["ppl_rel_increase"],
             "top1_agreement": u.get("top1_agreement"), "state_rel_l2": u.get("state_rel_l2"),
-            "recovery": u["recovery"], "recovery_upper95": u.get("recovery_upper95"), "constrained": constrained,
+            "recovery": u["recovery"], "recovery_upper95": u.get("recovery_upper95"),
+            "recovery_excess_upper95": u.get("recovery_excess_upper95"), "constrained": constrained,
             "attacks": {k: v["token_accuracy"] for k, v in u["attacks"].items()},
+            "chance": {k: v.get("chance") for k, v in u["attacks"].items()},
             "n_tokens": u.get("n_tokens"), "claim": u.get("claim"),
             "feasible": constrained <= threshold, "retry_of": trial.system_attrs.get("failed_trial"),
             "reused_from": u.get("reused_from")}
@@ -80,7 +82,7 @@ def claim_note(config: dict, threshold: float) -> str | None:
     """What a trial's tokens cannot prove: None when zero recovered tokens out of the most a trial attacks
     (``max_prompts``) bound the recovery at or under ``threshold`` (or the study constrains the point
     estimate), else a sentence saying so."""
-    if config["bound"] != "upper95":
+    if config["bound"] != "upper95":  # excess95: the floor depends on the chance level each trial measures
         return None
     n = config["max_prompts"] * config["length"]
     floor = clopper_pearson_upper(0, n)
@@ -113,7 +115,7 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
         ok = sorted((r for r in mine if r["feasible"] and math.isfinite(r["utility_loss"])),
                     key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
         groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
-                         "lowest_recovery": min(mine, key=lambda r: (r["recovery"], r["utility_loss"]))}
+                         "lowest_recovery": min(mine, key=lambda r: (r["constrained"], r["recovery"], r["utility_loss"]))}
     # an answer for the study's use: leakage under the threshold and a use the setting can serve (finite loss)
     feasible = sorted((r for r in rows if r["feasible"] and math.isfinite(r["utility_loss"])),
                       key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
@@ -137,6 +139,19 @@ def _fmt_params(params: dict) -> str:
                      for k, v in params.items() if k != "family")
 
 
+#: how the report's header names what the threshold constrains (search_study.BOUNDS)
+BOUND_NAMES = {"excess95": ", its one-sided 95% upper bound above the attack's chance level)",
+               "upper95": ", its one-sided 95% Clopper-Pearson upper bound)", "point": ")"}
+
+
+def _bounds(r: dict) -> str:
+    """A row's bounds as text: the 95% upper bound, and the one above chance where the trial measured it."""
+    parts = [f"95% upper {r['recovery_upper95']:.3f}"] if r.get("recovery_upper95") is not None else []
+    if r.get("recovery_excess_upper95") is not None:
+        parts.append(f"above chance <= {r['recovery_excess_upper95']:.3f}")
+    return ", ".join(parts)
+
+
 def _agreement(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -146,12 +161,12 @@ def _group_line(group: str, g: dict, short: str = "ppl") -> str:
     b = g["best"]
     if b is None:
         lo = g["lowest_recovery"]
-        upper = f" (95% upper {lo['recovery_upper95']:.3f})" if lo.get("recovery_upper95") is not None else ""
+        upper = f" ({_bounds(lo)})" if _bounds(lo) else ""
         return (f"| {group} | {g['n_trials']} (0) | none found (lowest recovery {lo['recovery']:.3f}{upper} at "
                 f"{_fmt_params(lo['params'])}, {short} {100 * lo['utility_loss']:+.2f}%) | {lo['trial']} | | | |")
     attacks = ", ".join(f"{k} {v:.3f}" for k, v in b["attacks"].items())
-    if b.get("recovery_upper95") is not None:
-        attacks += f" (strongest's 95% upper bound {b['recovery_upper95']:.3f})"
+    if _bounds(b):
+        attacks += f" (strongest: {_bounds(b)})"
     return (f"| {group} | {g['n_trials']} ({g['n_feasible']}) | {_fmt_params(b['params'])} | {b['trial']} | "
             f"{100 * b['utility_loss']:+.2f}% | {_agreement(b['top1_agreement'])} | {attacks} |")
 
@@ -161,8 +176,7 @@ def format_report(report: dict) -> str:
     c = report["config"]
     long, short = _loss_names(c)
     lines = [f"# Search {report['study']}: {c['model']} layer {c['layer']}, mode {c['mode']}, "
-             f"threshold recovery <= {report['threshold']:.3g} (token accuracy"
-             + (", its one-sided 95% Clopper-Pearson upper bound)" if report["bound"] == "upper95" else ")"),
+             f"threshold recovery <= {report['threshold']:.3g} (token accuracy" + BOUND_NAMES[report["bound"]],
              f"trials: {report['counts']['COMPLETE']} complete, {report['counts']['FAIL']} failed (retried when stale), "
              f"{report['counts']['RUNNING']} running; prompts {c['prompts']} {stages_note(c)}; "
              f"utility ({USE_NAMES[c['utility_use']]}) on {c['utility_tokens']} tokens; "
@@ -197,7 +211,7 @@ def format_uses(report: dict) -> list[str]:
     (among the trials the use can serve) and that use's Pareto front."""
     lines = ["## Per use of the states (same trials, each priced for the use)", "",
              "| use | utility loss | trials it can serve (feasible) | cheapest setting with recovery <= threshold | "
-             "trial | loss | recovery (95% upper) | Pareto front (trial: loss, recovery) |", "|---|---|---|---|---|---|---|---|"]
+             "trial | loss | recovery (bounds) | Pareto front (trial: loss, recovery) |", "|---|---|---|---|---|---|---|---|"]
     for use, u in report["uses"].items():
         long = LOSS_NAMES[use][0]
         front = "; ".join(f"#{r['trial']} {r['group']}: {100 * r['utility_loss']:+.2f}%, {r['recovery']:.3f}"
@@ -206,7 +220,7 @@ def format_uses(report: dict) -> list[str]:
         if b is None:
             lines.append(f"| {use} | {long} | {u['n_trials']} (0) | none found | | | | {front} |")
             continue
-        upper = "" if b.get("recovery_upper95") is None else f" ({b['recovery_upper95']:.3f})"
+        upper = f" ({_bounds(b)})" if _bounds(b) else ""
         lines.append(f"| {use} | {long} | {u['n_trials']} ({u['n_feasible']}) | {b['group']}: {_fmt_params(b['params'])} | "
                      f"{b['trial']} | {100 * b['utility_loss']:+.2f}% | {b['recovery']:.3f}{upper} | {front} |")
     return lines
@@ -239,8 +253,8 @@ def plot_report(report: dict, path: Path) -> Path:
 
 
 def plot_uses(report: dict, path: Path) -> Path:
-    """One panel per use: the constrained recovery (the strongest attack's 95% upper bound, or its point
-    estimate for ``bound="point"``) vs that use's loss of every trial it can serve, with its Pareto front."""
+    """One panel per use: the constrained recovery (the strongest attack's 95% upper bound above chance, its
+    95% upper bound, or its point estimate: search_study.BOUNDS) vs that use's loss of every trial it can serve, with its Pareto front."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,7 +282,8 @@ def plot_uses(report: dict, path: Path) -> Path:
         ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlim(left=min([0.0, *xs]) - 0.5)
         ax.set_xlabel(f"{LOSS_NAMES[use][0]} (%)")
-        ax.set_ylabel("recovery, 95% upper bound" if report["bound"] == "upper95" else "recovery")
+        ax.set_ylabel({"excess95": "recovery above chance, 95% upper bound", "upper95": "recovery, 95% upper bound"}
+                      .get(report["bound"], "recovery"))
         ax.set_title(f"{use}: {USE_NAMES[use]}", fontsize=8)
     for ax in list(axes.flat)[len(uses):]:
         ax.axis("off")

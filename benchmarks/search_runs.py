@@ -32,7 +32,7 @@ PARENT_ATTR = "mlflow_parent_run_id"
 PENDING_ATTR = "mlflow_pending"
 RUN_ATTR = "mlflow_run_id"
 METRIC_KEYS = ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-               "n_tokens", "seconds")
+               "recovery_excess_upper95", "n_tokens", "seconds")
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
 

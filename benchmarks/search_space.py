@@ -139,16 +139,18 @@ class TrialContext:
     (docs/search.md).
 
     A trial attacks the first ``first_stage`` prompts, and the rest of ``prompt_ids`` unless those already
-    show a leak above ``threshold`` (:func:`claim_after`)."""
+    show a leak above ``threshold`` (:func:`claim_after`, whose bounds ``bound`` names:
+    benchmarks.search_study.BOUNDS)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",
-                 policy: str = "gradient", first_stage: int | None = None, threshold: float = 0.0):
+                 policy: str = "gradient", first_stage: int | None = None, threshold: float = 0.0,
+                 bound: str = "upper95"):
         from sipit.whitebox import WhiteBox
 
         self.loaded, self.layer, self.prompt_ids = loaded, layer, prompt_ids
         self.first_stage = len(prompt_ids) if first_stage is None else first_stage
-        self.threshold = threshold
+        self.threshold, self.bound = threshold, bound
         self.clean_wb = WhiteBox(loaded.model)
         self.seed, self.utility_tokens, self.attacks, self.budget, self.robust = seed, utility_tokens, attacks, budget, robust
         self.utility_use, self.policy = utility_use, policy
@@ -175,19 +177,27 @@ def utility_loss(util, use: str) -> float:
     return math.inf if loss is None else float(loss)
 
 
-def claim_after(attacks: dict[str, dict], threshold: float) -> str:
-    """``leaks`` when the strongest attack's one-sided 95% Clopper-Pearson lower bound of its token accuracy
-    is above ``threshold``, ``holds`` when every attack's upper bound is at or under it, else ``open``.
+def claim_after(attacks: dict[str, dict], threshold: float, bound: str = "upper95") -> str:
+    """``leaks`` when the strongest attack's one-sided 95% lower bound of its token accuracy is above
+    ``threshold``, ``holds`` when every attack's upper bound is at or under it, else ``open``. The bounds are
+    Clopper-Pearson's of the accuracy, or, for ``bound="excess95"``, those of the accuracy above the attack's
+    chance level (benchmarks.metrics.excess_bounds).
 
     :func:`evaluate` stops after the first stage only on ``leaks``; ``holds`` is only ever claimed on all
     of a trial's prompts. So early stopping removes chances to claim ``holds`` and adds none: a wrong
     ``holds`` is at most as likely as with the full fixed sample, 5%."""
-    from benchmarks.metrics import clopper_pearson_lower
+    from benchmarks.metrics import clopper_pearson_lower, excess_bounds
 
-    rates = [a["rates"]["token_accuracy"] for a in attacks.values()]
-    if any(clopper_pearson_lower(round(r["value"] * r["n"]), r["n"]) > threshold for r in rates):
+    def bounds(r: dict) -> tuple[float, float]:
+        k = round(r["value"] * r["n"])
+        if bound == "excess95":
+            return excess_bounds(k, r["n"], r["chance_hits"], r["chance_comparisons"])
+        return clopper_pearson_lower(k, r["n"]), r["upper95"]
+
+    limits = [bounds(a["rates"]["token_accuracy"]) for a in attacks.values()]
+    if any(lower > threshold for lower, _ in limits):
         return "leaks"
-    return "holds" if all(r["upper95"] <= threshold for r in rates) else "open"
+    return "holds" if all(upper <= threshold for _, upper in limits) else "open"
 
 
 def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
@@ -222,11 +232,12 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         done = ctx.prompt_ids[:stage.stop]
         attacks = {name: {"decoder": decoder, **summarise(name, done, inversions[name]).to_dict()}
                    for name, (decoder, _) in makers.items()}
-        claim = claim_after(attacks, ctx.threshold)
+        claim = claim_after(attacks, ctx.threshold, ctx.bound)
         if claim == "leaks":
             break
     recovery = max(a["token_accuracy"] for a in attacks.values())
     recovery_upper95 = max(a["token_accuracy_upper95"] for a in attacks.values())
+    excess_upper95 = max(a["token_accuracy_excess_upper95"] for a in attacks.values())
     sigmas = exposed.sigmas
     return {
         "utility_loss": utility_loss(util, ctx.utility_use), "utility_use": ctx.utility_use,
@@ -237,6 +248,7 @@ def evaluate(ctx: TrialContext, names: list[str], params: dict) -> dict:
         "utility_losses": {use: utility_loss(util, use) for use in UTILITY_USES},
         "state_rel_l2": util.state_rel_l2,
         "recovery": float(recovery), "recovery_upper95": float(recovery_upper95),
+        "recovery_excess_upper95": float(excess_upper95),
         "n_tokens": sum(len(ids) for ids in done), "n_prompts": len(done), "claim": claim,
         "strongest_attack": max(attacks, key=lambda k: attacks[k]["token_accuracy"]),
         "attacks": attacks, "defense_params": chain.params(), "sigma_abs_median": float(sorted(sigmas)[len(sigmas) // 2]),

@@ -20,9 +20,12 @@ MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
                "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts")
-#: what the threshold constrains: the one-sided 95% Clopper-Pearson upper bound of the strongest attack's
-#: token accuracy (a claim the trial's tokens can make), or its point estimate (studies made before)
-BOUNDS = ("upper95", "point")
+#: what the threshold constrains: the one-sided 95% upper bound of the strongest attack's token accuracy above
+#: its chance level (benchmarks.metrics.excess_bounds), its Clopper-Pearson upper bound (a claim that chance
+#: hits alone can defeat), or its point estimate (studies made before either)
+BOUNDS = ("excess95", "upper95", "point")
+#: the trial measurement each bound constrains (benchmarks.search_space.evaluate)
+CONSTRAINED = {"excess95": "recovery_excess_upper95", "upper95": "recovery_upper95", "point": "recovery"}
 
 
 #: budget keys whose 0 means "no cap" (the others are >= 1)
@@ -55,7 +58,7 @@ def check_budget(budget) -> dict:
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
-                bound="upper95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None) -> dict:
+                bound="excess95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None) -> dict:
     """Validated search configuration (everything that must agree between workers).
 
     ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
@@ -99,7 +102,7 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     if max_prompts is None:
-        max_prompts = prompts_for_claim(threshold, n_prompts, length) if bound == "upper95" else n_prompts
+        max_prompts = n_prompts if bound == "point" else prompts_for_claim(threshold, n_prompts, length)
     if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < n_prompts:
         raise SearchUsageError(f"--max-prompts must be an integer >= --n-prompts ({n_prompts}), got {max_prompts!r}")
     return dict(model=model, layer=int(layer), families=families, mode=mode, threshold=float(threshold), seed=int(seed),

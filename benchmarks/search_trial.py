@@ -41,7 +41,7 @@ def trial_context(config: dict):
     first = prompt_ids(config["n_prompts"])
     more = prompt_ids(config["max_prompts"]) if config["max_prompts"] > config["n_prompts"] else []
     return TrialContext(loaded, layer, first + [ids for ids in more if ids not in first], first_stage=len(first),
-                        threshold=config["threshold"], seed=config["seed"], utility_tokens=config["utility_tokens"],
+                        threshold=config["threshold"], bound=config["bound"], seed=config["seed"], utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
                         utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
 
@@ -71,7 +71,8 @@ def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int
         m = _measure(trial, ctx, config, runs, names, params, out_dir)
         log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
             f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} "
-            f"(95% upper {m['recovery_upper95']:.3f}, {m['n_tokens']} tokens; {m['seconds']:.1f}s)", file=sys.stderr)
+            f"(95% upper {m['recovery_upper95']:.3f}, above chance {m.get('recovery_excess_upper95', math.nan):.3f}; "
+            f"{m['n_tokens']} tokens; {m['seconds']:.1f}s)", file=sys.stderr)
         if config["mode"] == "pareto":
             return m["utility_loss"], constrained_recovery(m, config)
         return m["utility_loss"]
@@ -100,30 +101,34 @@ def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
 
 
 def constrained_recovery(m: dict, config: dict) -> float:
-    """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's
-    95% upper bound, or its point estimate (studies made before the bound existed)."""
-    return m["recovery_upper95"] if config["bound"] == "upper95" else m["recovery"]
+    """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's 95%
+    upper bound above chance, its 95% upper bound, or its point estimate (studies made before the bounds)."""
+    from benchmarks.search_study import CONSTRAINED
+
+    return m[CONSTRAINED[config["bound"]]]
 
 
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
     for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-                "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds", "sigma_abs_median", "reused_from",
+                "recovery_excess_upper95", "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds", "sigma_abs_median", "reused_from",
                 "use_metrics", "utility_losses"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
+                                        "chance": v.get("token_accuracy_chance"),
+                                        "excess_upper95": v.get("token_accuracy_excess_upper95"),
                                         "decoder": v.get("decoder", "")} for k, v in m["attacks"].items()})
     trial.set_user_attr("defense_params", m["defense_params"])
-    excess = constrained_recovery(m, config) - config["threshold"]
+    over = constrained_recovery(m, config) - config["threshold"]
     if config["mode"] == "constrained":
-        trial.set_constraint("recovery", excess)
+        trial.set_constraint("recovery", over)
         # A setting that cannot serve the study's use (utility loss +inf, e.g. a pooled exposure for continued
         # inference) is no answer for it: infeasible, so TPE does not take it for the best feasible region and
         # keep drawing it (it did: 35 of 60 trials of a layer-30 study were pooling, 26 of them repeats).
         trial.set_constraint("use", 0.0 if math.isfinite(m["utility_loss"]) else 1.0)
-    trial.set_user_attr("constraint.recovery", excess)
-    trial.set_user_attr("feasible", excess <= 0)
+    trial.set_user_attr("constraint.recovery", over)
+    trial.set_user_attr("feasible", over <= 0)
 
 
 def _reuse(study, trial) -> dict | None:
@@ -133,10 +138,11 @@ def _reuse(study, trial) -> dict | None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.params == trial.params and "recovery" in t.user_attrs:
             u = t.user_attrs
-            attacks = {k: dict(v, token_accuracy=v["token_accuracy"]) for k, v in u["attacks"].items()}
+            attacks = {k: dict(v, token_accuracy_chance=v.get("chance"), token_accuracy_excess_upper95=v.get("excess_upper95"))
+                       for k, v in u["attacks"].items()}
             return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                              "recovery", "recovery_upper95", "n_tokens", "n_prompts", "claim",
-                                              "strongest_attack", "sigma_abs_median", "use_metrics",
+                                              "recovery", "recovery_upper95", "recovery_excess_upper95", "n_tokens",
+                                              "n_prompts", "claim", "strongest_attack", "sigma_abs_median", "use_metrics",
                                               "utility_losses")},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}

@@ -277,7 +277,9 @@ them). Tag `config_hash`: equal hashes are the same configuration.
 `softmax-head` (classifier trained on clean states), `softmax-head-adaptive` (trained on the
 defended states), `inverse-head`, `bruteforce`.
 - `token_accuracy`: fraction of prompt tokens recovered at their position, 0..1; `_se` its
-  prompt-clustered standard error, `_upper95` a one-sided 95% upper bound.
+  prompt-clustered standard error, `_upper95` a one-sided 95% upper bound; `_chance` the rate at which
+  the attack's output hits the *other* prompts' tokens (what reading nothing would score), `_excess_upper95`
+  a one-sided 95% upper bound of the accuracy above that chance level.
 - `exact_match`: fraction of prompts recovered whole, 0..1 (same `_se`, `_upper95`).
 - `bag_f1`: bag-of-tokens F1 ignoring order, 0..1; other rates (e.g. `span_recall`, private spans
   leaked verbatim) are fractions 0..1 too; `seconds_per_prompt`: wall seconds;

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attacks.result import Inversion
-from benchmarks.metrics import bag_f1, clopper_pearson_upper, clustered_accuracy, defence_leakage, span_leaks, summarise
+from benchmarks.metrics import (bag_f1, chance_hits, clopper_pearson_lower, clopper_pearson_upper, clustered_accuracy,
+                               defence_leakage, excess_bounds, span_leaks, summarise)
 
 
 def _inv(ids: list[int]) -> Inversion:
@@ -60,8 +61,10 @@ def test_rates_carry_value_n_se_and_upper_bound_and_the_defence_takes_the_strong
     exact = summarise("a", truths, [_inv([1, 2, 3, 4]), _inv([5, 6, 7, 8])], [(2, 2), (1, 1)]).to_dict()
     shuffled = summarise("b", truths, [_inv([4, 3, 2, 1]), _inv([8, 7, 6, 5])], [(2, 0), (1, 0)]).to_dict()
     assert exact["rates"]["bag_f1"]["value"] == 1.0 and shuffled["rates"]["bag_f1"]["value"] == 1.0
-    assert shuffled["rates"]["token_accuracy"] == {"value": 0.0, "n": 8, "se": 0.0,
-                                                   "upper95": pytest.approx(clopper_pearson_upper(0, 8))}
+    rate = shuffled["rates"]["token_accuracy"]
+    assert {k: rate[k] for k in ("value", "n", "se", "upper95")} == {"value": 0.0, "n": 8, "se": 0.0,
+                                                                     "upper95": pytest.approx(clopper_pearson_upper(0, 8))}
+    assert (rate["chance_hits"], rate["chance_comparisons"]) == (0, 8) and rate["excess_upper95"] > 0
     assert shuffled["rates"]["span_recall"]["value"] == 0.0 and shuffled["rates"]["span_recall"]["n"] == 3
     assert exact["rates"]["span_recall"]["value"] == 1.0 and exact["rates"]["exact_match"]["upper95"] == 1.0
     leak = defence_leakage({"a": exact, "b": shuffled})
@@ -71,3 +74,23 @@ def test_rates_carry_value_n_se_and_upper_bound_and_the_defence_takes_the_strong
     assert math.isnan(half["span_recall"]) and half["n_spans"] == 0  # prompts without spans: no rate
     assert "span_recall" not in defence_leakage({"c": half})
     assert half["bag_f1_upper95"] == pytest.approx(clopper_pearson_upper(2, 8))
+
+
+def test_chance_is_what_an_attacker_scores_on_the_other_prompts_and_leakage_is_measured_above_it():
+    """An attacker that writes the same frequent tokens whatever the state hits each prompt as often as it
+    hits the others: its accuracy is all chance, and the bound above chance falls to 0 with enough prompts.
+    An exact inversion of distinct prompts has (almost) no chance hits and a lower bound near 1."""
+    assert chance_hits([[1, 2, 3], [1, 4], [5, 2, 3]], [[1, 2, 3], [1, 4], [5, 2, 3]]) == (6, 14)
+    truths = [[7, 8 + i % 3, 100 + i, 200 + i] for i in range(60)]  # all start with 7; 3 tokens take turns second
+    constant = summarise("c", truths, [_inv([7, 8, 0, 0]) for _ in truths])
+    assert constant.token_accuracy == pytest.approx((60 + 20) / 240)
+    assert constant.token_accuracy_chance == pytest.approx(constant.chance_hits / constant.chance_comparisons)
+    assert constant.token_accuracy_chance == pytest.approx(constant.token_accuracy, abs=0.002)
+    assert constant.token_accuracy_upper95 > 0.38 and constant.token_accuracy_excess_upper95 < 0.13
+    exact = summarise("e", truths, [_inv(list(t)) for t in truths])
+    lower, upper = excess_bounds(240, 240, exact.chance_hits, exact.chance_comparisons)
+    assert exact.token_accuracy_chance < 0.42 and lower > 0.5
+    assert upper == pytest.approx(1.0 - clopper_pearson_lower(exact.chance_hits, exact.chance_comparisons, 0.975))
+    # the two bounds hold together: each side at 97.5%, so the excess bound is wider than the plain one's gap
+    assert excess_bounds(3, 100, 300, 10_000)[1] > clopper_pearson_upper(3, 100) - 0.03
+    assert excess_bounds(3, 100, 0, 0) == (0.0, pytest.approx(clopper_pearson_upper(3, 100, 0.975)))

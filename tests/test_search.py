@@ -483,6 +483,28 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
         assert row["feasible"] == (u["recovery_upper95"] <= 0.3)
 
 
+def test_the_default_bound_constrains_the_recovery_above_the_attacks_chance_level(tmp_path):
+    """bound="excess95" (the default): the constraint is the strongest attack's 95% upper bound of its accuracy
+    above its chance level (its hits on the other prompts' tokens), which each trial records per attack."""
+    from benchmarks.metrics import excess_bounds
+
+    quiet = dict(track=False, log=lambda *a, **k: None)
+    result = run_search(str(tmp_path / "x.journal"), "x", 2, out=tmp_path / "o", **quiet,
+                        **{**FAST, "bound": "excess95", "families": "noise", "n_prompts": 3, "max_prompts": 3})
+    trials = [t for t in _trials(str(tmp_path / "x.journal"), "x") if t.state == TrialState.COMPLETE]
+    assert len(trials) == 2
+    for t in trials:
+        u = t.user_attrs
+        sipit = u["attacks"]["sipit"]
+        k = round(sipit["token_accuracy"] * 12)
+        assert 0.0 <= sipit["chance"] <= 1.0 and u["n_tokens"] == 12
+        assert sipit["excess_upper95"] == u["recovery_excess_upper95"] == pytest.approx(
+            excess_bounds(k, 12, round(sipit["chance"] * 24), 24)[1])  # 6 ordered pairs of prompts x 4 positions
+        assert math.isclose(t.constraints["recovery"], u["recovery_excess_upper95"] - FAST["threshold"])
+    assert "above the attack's chance level" in (tmp_path / "o" / "report.md").read_text()
+    assert all(r["constrained"] == r["recovery_excess_upper95"] for r in result["report"]["trials"])
+
+
 def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
     """Two stages: a setting that plainly leaks stops after the first prompts ("leaks": the lower bound is
     over the threshold); one whose first prompts show no leak attacks all max_prompts and is judged on

@@ -161,7 +161,8 @@ def excess_bounds(k: int, n: int, k_chance: int, n_chance: int, level: float = 0
         return float("nan"), float("nan")
     each = 1.0 - (1.0 - level) / 2
     if n_chance > 0:
-        chance_low, chance_high = clopper_pearson_lower(k_chance, n_chance, each), clopper_pearson_upper(k_chance, n_chance, each)
+        chance_low = clopper_pearson_lower(k_chance, n_chance, each)
+        chance_high = clopper_pearson_upper(k_chance, n_chance, each)
     else:
         chance_low, chance_high = 0.0, 1.0
     lower = clopper_pearson_lower(k, n, each) - chance_high

@@ -115,7 +115,8 @@ def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.
         ok = sorted((r for r in mine if r["feasible"] and math.isfinite(r["utility_loss"])),
                     key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
         groups[group] = {"n_trials": len(mine), "n_feasible": len(ok), "best": ok[0] if ok else None,
-                         "lowest_recovery": min(mine, key=lambda r: (r["constrained"], r["recovery"], r["utility_loss"]))}
+                         "lowest_recovery": min(mine, key=lambda r: (r["constrained"], r["recovery"],
+                                                                     r["utility_loss"]))}
     # an answer for the study's use: leakage under the threshold and a use the setting can serve (finite loss)
     feasible = sorted((r for r in rows if r["feasible"] and math.isfinite(r["utility_loss"])),
                       key=lambda r: (r["utility_loss"], r["recovery"], r["trial"]))
@@ -145,10 +146,13 @@ BOUND_NAMES = {"excess95": ", its one-sided 95% upper bound above the attack's c
 
 
 def _bounds(r: dict) -> str:
-    """A row's bounds as text: the 95% upper bound, and the one above chance where the trial measured it."""
+    """A row's bounds as text: the 95% upper bound, the one above chance and the tokens attacked, where the
+    trial recorded them."""
     parts = [f"95% upper {r['recovery_upper95']:.3f}"] if r.get("recovery_upper95") is not None else []
     if r.get("recovery_excess_upper95") is not None:
         parts.append(f"above chance <= {r['recovery_excess_upper95']:.3f}")
+    if r.get("n_tokens") is not None:
+        parts.append(f"{r['n_tokens']} tokens")
     return ", ".join(parts)
 
 

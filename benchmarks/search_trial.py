@@ -41,7 +41,8 @@ def trial_context(config: dict):
     first = prompt_ids(config["n_prompts"])
     more = prompt_ids(config["max_prompts"]) if config["max_prompts"] > config["n_prompts"] else []
     return TrialContext(loaded, layer, first + [ids for ids in more if ids not in first], first_stage=len(first),
-                        threshold=config["threshold"], bound=config["bound"], seed=config["seed"], utility_tokens=config["utility_tokens"],
+                        threshold=config["threshold"], bound=config["bound"], seed=config["seed"],
+                        utility_tokens=config["utility_tokens"],
                         attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
                         utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
 
@@ -111,8 +112,8 @@ def constrained_recovery(m: dict, config: dict) -> float:
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
     for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-                "recovery_excess_upper95", "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds", "sigma_abs_median", "reused_from",
-                "use_metrics", "utility_losses"):
+                "recovery_excess_upper95", "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds",
+                "sigma_abs_median", "reused_from", "use_metrics", "utility_losses"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],

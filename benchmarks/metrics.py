@@ -142,13 +142,20 @@ def clopper_pearson_lower(k: int, n: int, level: float = 0.95) -> float:
 
 def chance_hits(truths: list[list[int]], recovered: list[list[int]]) -> tuple[int, int]:
     """``(k_c, n_c)``: the hits of each prompt's recovered tokens on every other prompt's true tokens, and the
-    comparisons made, k_c = sum_{i != j} sum_t [r_i[t] = x_j[t]], n_c = sum_{i != j} min(|r_i|, |x_j|)."""
+    comparisons made, k_c = sum_{i != j} sum_t [r_i[t] = x_j[t]], n_c = sum_{i != j} min(|r_i|, |x_j|).
+
+    Counted per position in O(prompts x length): k_c = sum_t (sum_v R_t(v) X_t(v) - #{i: r_i[t] = x_i[t]}),
+    with R_t(v), X_t(v) the recovered and true tokens v at position t (the main job re-summarises after
+    every prompt, so the O(prompts^2) pair loop would cost it O(prompts^3))."""
+    from collections import Counter
+
     hits = comparisons = 0
-    for i, ids in enumerate(recovered):
-        for j, truth in enumerate(truths):
-            if i != j:
-                hits += sum(a == b for a, b in zip(ids, truth))
-                comparisons += min(len(ids), len(truth))
+    for t in range(max((len(ids) for ids in recovered), default=0)):
+        rec = Counter(ids[t] for ids in recovered if len(ids) > t)
+        true = Counter(x[t] for x in truths if len(x) > t)
+        both = [(ids, x) for ids, x in zip(recovered, truths) if len(ids) > t and len(x) > t]
+        hits += sum(n * true[v] for v, n in rec.items()) - sum(ids[t] == x[t] for ids, x in both)
+        comparisons += sum(rec.values()) * sum(true.values()) - len(both)
     return hits, comparisons
 
 

@@ -81,6 +81,12 @@ def test_chance_is_what_an_attacker_scores_on_the_other_prompts_and_leakage_is_m
     hits the others: its accuracy is all chance, and the bound above chance falls to 0 with enough prompts.
     An exact inversion of distinct prompts has (almost) no chance hits and a lower bound near 1."""
     assert chance_hits([[1, 2, 3], [1, 4], [5, 2, 3]], [[1, 2, 3], [1, 4], [5, 2, 3]]) == (6, 14)
+    g = torch.Generator().manual_seed(0)
+    truths = [torch.randint(0, 4, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (12,), generator=g)]
+    guesses = [torch.randint(0, 4, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (12,), generator=g)]
+    pairs = [(r, x) for i, r in enumerate(guesses) for j, x in enumerate(truths) if i != j]  # the definition
+    assert chance_hits(truths, guesses) == (sum(a == b for r, x in pairs for a, b in zip(r, x)),
+                                            sum(min(len(r), len(x)) for r, x in pairs))
     truths = [[7, 8 + i % 3, 100 + i, 200 + i] for i in range(60)]  # all start with 7; 3 tokens take turns second
     constant = summarise("c", truths, [_inv([7, 8, 0, 0]) for _ in truths])
     assert constant.token_accuracy == pytest.approx((60 + 20) / 240)

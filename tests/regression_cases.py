@@ -356,7 +356,9 @@ def extract_search(ran: Ran) -> dict:
         trials.append({
             **_pick(r, ("trial", "group", "family", "params", "utility_loss", "ppl_rel_increase", "top1_agreement",
                         "state_rel_l2", "recovery", "feasible", "retry_of", "reused_from")),
-            "attacks": attrs.get("attacks"),
+            # the fields recorded; the chance level and the bound above it (ebace9f) are tested in test_search
+            "attacks": {k: _pick(v, ("token_accuracy", "exact_match", "decoder"))
+                        for k, v in (attrs.get("attacks") or {}).items()},
             "strongest_attack": attrs.get("strongest_attack"),
             "sigma_abs_median": attrs.get("sigma_abs_median"),
             "defense_params": attrs.get("defense_params"),

@@ -72,7 +72,7 @@ def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int
         m = _measure(trial, ctx, config, runs, names, params, out_dir)
         log(f"[search w{worker}] trial {trial.number} {report_group(family, trial.params)} {params} -> "
             f"utility loss {m['utility_loss']:+.4f}, recovery {m['recovery']:.3f} "
-            f"(95% upper {m['recovery_upper95']:.3f}, above chance {m.get('recovery_excess_upper95', math.nan):.3f}; "
+            f"(95% upper {m['recovery_upper95']:.3f}, above chance {_fmt(m.get('recovery_excess_upper95'))}; "
             f"{m['n_tokens']} tokens; {m['seconds']:.1f}s)", file=sys.stderr)
         if config["mode"] == "pareto":
             return m["utility_loss"], constrained_recovery(m, config)
@@ -101,6 +101,17 @@ def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
     return m
 
 
+#: what a trial's measurement records as user attributes, and what a re-use of an identical setting copies
+MEASURED = ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
+            "recovery_excess_upper95", "n_tokens", "n_prompts", "claim", "strongest_attack", "sigma_abs_median",
+            "use_metrics", "utility_losses")
+
+
+def _fmt(value: float | None) -> str:
+    """A bound for the log line; a trial re-used from one recorded before the bound existed has none."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def constrained_recovery(m: dict, config: dict) -> float:
     """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's 95%
     upper bound above chance, its 95% upper bound, or its point estimate (studies made before the bounds)."""
@@ -111,9 +122,7 @@ def constrained_recovery(m: dict, config: dict) -> float:
 
 def _record(trial, m: dict, config: dict) -> None:
     """The measurement ``m`` as the trial's user attributes, and its recovery constraint."""
-    for key in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2", "recovery", "recovery_upper95",
-                "recovery_excess_upper95", "n_tokens", "n_prompts", "claim", "strongest_attack", "seconds",
-                "sigma_abs_median", "reused_from", "use_metrics", "utility_losses"):
+    for key in (*MEASURED, "seconds", "reused_from"):
         if m.get(key) is not None:
             trial.set_user_attr(key, m[key])
     trial.set_user_attr("attacks", {k: {"token_accuracy": v["token_accuracy"], "exact_match": v["exact_match"],
@@ -139,12 +148,9 @@ def _reuse(study, trial) -> dict | None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.params == trial.params and "recovery" in t.user_attrs:
             u = t.user_attrs
-            attacks = {k: dict(v, token_accuracy_chance=v.get("chance"), token_accuracy_excess_upper95=v.get("excess_upper95"))
-                       for k, v in u["attacks"].items()}
-            return {**{k: u.get(k) for k in ("utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-                                              "recovery", "recovery_upper95", "recovery_excess_upper95", "n_tokens",
-                                              "n_prompts", "claim", "strongest_attack", "sigma_abs_median", "use_metrics",
-                                              "utility_losses")},
+            attacks = {k: dict(v, token_accuracy_chance=v.get("chance"),
+                               token_accuracy_excess_upper95=v.get("excess_upper95")) for k, v in u["attacks"].items()}
+            return {**{k: u.get(k) for k in MEASURED},
                     "attacks": attacks, "defense_params": u.get("defense_params"), "seconds": 0.0,
                     "reused_from": t.number}
     return None

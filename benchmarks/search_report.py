@@ -26,7 +26,8 @@ USE_NAMES = {"served": "served model", "continued": "inference continued from th
 LOSS_NAMES = {"served": ("perplexity increase", "ppl"), "continued": ("perplexity increase", "ppl"),
               "embedding_store": ("recall@1 lost", "loss"), "probing": ("probe accuracy lost", "loss")}
 CSV_FIELDS = ["trial", "group", "params", "utility_loss", "ppl_rel_increase", "top1_agreement", "state_rel_l2",
-              "recovery", "recovery_upper95", "recovery_excess_upper95", "n_tokens", "claim", "attacks", "feasible", "retry_of", "reused_from"]
+              "recovery", "recovery_upper95", "recovery_excess_upper95", "n_tokens", "claim", "attacks", "chance",
+              "feasible", "retry_of", "reused_from"]
 
 
 def _loss_names(config: dict) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -503,6 +504,10 @@ def test_the_default_bound_constrains_the_recovery_above_the_attacks_chance_leve
         assert math.isclose(t.constraints["recovery"], u["recovery_excess_upper95"] - FAST["threshold"])
     assert "above the attack's chance level" in (tmp_path / "o" / "report.md").read_text()
     assert all(r["constrained"] == r["recovery_excess_upper95"] for r in result["report"]["trials"])
+    with open(tmp_path / "o" / "trials.csv", newline="") as handle:
+        rows = {int(r["trial"]): r for r in csv.DictReader(handle)}
+    assert {n: json.loads(rows[t.number]["chance"])["sipit"] for n, t in enumerate(trials)} == {
+        n: t.user_attrs["attacks"]["sipit"]["chance"] for n, t in enumerate(trials)}
 
 
 def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():

@@ -411,6 +411,26 @@ class MapBeamSearch:
         return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior,
                     parent.candidates + [p.candidates])
 
+    @torch.no_grad()
+    def path_energy(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, ids: list[int]) -> float:
+        """The energy this search minimises, of one whole path ``ids`` (minus the score it maximises):
+        E(x) = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the prior term only when the
+        search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path with E no higher than
+        the true path's is an error of the posterior, which no search over this score fixes; one with a
+        higher E is an error of the search."""
+        layer = whitebox.resolve_layer(layer)
+        observed = whitebox.check_states(observed, len(ids))
+        sigmas = torch.tensor(effective_sigmas(observed, self.sigma, self.rel_tol), dtype=torch.float64)
+        squared = (whitebox.states(ids, layer).double() - observed.double()).pow(2).sum(-1)
+        energy = float((squared / (2 * sigmas**2)).sum())
+        if self.use_prior:
+            prior = NextTokenPrior(whitebox.model)
+            for token in ids:
+                if prior.logprobs is not None:
+                    energy -= float(prior.logprobs[token])
+                prior.push(token)
+        return energy
+
     def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
                length: int | None = None) -> Inversion:
         layer = whitebox.resolve_layer(layer)

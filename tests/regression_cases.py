@@ -72,6 +72,8 @@ FIELD_TOL = [
 #: an exactly decoded position is ~1e-5-3e-3, and it moved by up to 1e-3 (rel 0.47) when the same
 #: commit ran with 2 threads instead of 1: any change of summation order (batching, kernels) moves
 #: it. Floor 1e-2; the noisy distances of run-smollm2-* (~2.5 and ~100) stay within ~0.4% / 1e-4.
+#: summary keys of benchmarks.experiments.noise added after the noise recordings (<decoder>_<suffix>)
+ERROR_SOURCE_SUFFIXES = ("_posterior_errors", "_search_errors", "_posterior_error_tokens", "_search_error_tokens")
 SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
 
 #: the main job's defaults when the cases were recorded (7fbee15), given first so a case's own flags
@@ -338,7 +340,8 @@ def extract_noise(ran: Ran) -> dict:
         "meta": _pick(res["meta"], ("model", "layer", "d", "n_prompts", "length", "draws", "exact_positions_total")),
         "prompts": res["prompts"],
         "decoders": summary["decoders"],
-        "by_sigma": summary["by_sigma"],
+        # the error sources (posterior vs search) came after the recordings; tests/test_experiments checks them
+        "by_sigma": [{k: v for k, v in r.items() if not k.endswith(ERROR_SOURCE_SUFFIXES)} for r in summary["by_sigma"]],
         "by_ratio": summary["by_ratio"],
         "nn_collapse_bin": summary["nn_collapse_bin"],
         "greedy_50": summary["greedy_50"],

@@ -30,6 +30,27 @@ def test_noise_decoders_exact_at_sigma_zero_and_report_written(tmp_path):
     assert all(r["correct"] for r in zero if r["decoder"] != "nn-heuristic"), [r for r in zero if not r["correct"]]
     assert all(r["candidates"] <= 16 for r in zero if r["decoder"] == "nn-heuristic")
     assert all(r["delta"] > 0 for r in result["exact"])
+    # every decoded path carries its energy and the truth's under the decoder's own score; a correct path is the truth
+    paths: dict = {}
+    for r in result["free"]:
+        paths.setdefault((r["decoder"], r["sigma"], r["prompt"]), []).append(r)
+    for path in paths.values():
+        assert len({(r["energy"], r["true_energy"]) for r in path}) == 1
+        assert (path[0]["energy"] == path[0]["true_energy"]) >= all(r["correct"] for r in path)
+    for row in result["summary"]["by_sigma"]:
+        for name in noise.DECODERS:
+            wrong = {r["prompt"] for r in result["free"] if r["decoder"] == name and r["sigma"] == row["sigma"]
+                     and not r["correct"]}
+            assert row[name + "_posterior_errors"] + row[name + "_search_errors"] == len(wrong)
+    # --rescore recomputes the same energies from the written run, decoding nothing
+    assert noise.main(["--rescore", str(out / "noise.json"), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "noise.json").read_text())
+    assert [e for r in again["free"] for e in (r["energy"], r["true_energy"])] == pytest.approx(
+        [e for r in result["free"] for e in (r["energy"], r["true_energy"])], rel=1e-9)
+    with pytest.raises(SystemExit) as exited:  # not a run's noise.json: one error line, exit code 2
+        noise.main(["--rescore", str(out / "noise.md"), "--out", str(tmp_path / "bad")])
+    assert exited.value.code == 2
+    assert not (tmp_path / "bad").exists()
 
 
 def test_gap_is_below_the_tolerance_it_derives(capsys):

@@ -57,16 +57,20 @@ def test_greedy_decoders_pick_the_per_position_optimum_on_their_own_prefix(tiny)
     (ids,) = sampled_prompts(lm, 1, 8, seed=3)
     sigma = 0.05
     observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(0))
-    nn = NearestNeighbour(stop="exact", sigma=sigma).invert(observed, wb, -1)
-    mp = MapDecoder(sigma, exact=True).invert(observed, wb, -1)
+    nn_decoder, map_decoder = NearestNeighbour(stop="exact", sigma=sigma), MapDecoder(sigma, exact=True)
+    nn, mp = nn_decoder.invert(observed, wb, -1), map_decoder.invert(observed, wb, -1)
     sigmas = effective_sigmas(observed, sigma, 1e-4)
-    for decoded, uses_prior in ((nn.ids, False), (mp.ids, True)):
+    for decoder, decoded, uses_prior in ((nn_decoder, nn.ids, False), (map_decoder, mp.ids, True)):
         prior = NextTokenPrior(wb.model)
+        total = 0.0
         for t, token in enumerate(decoded):
             dist = sweep_distances(wb, wb.prefix_cache(decoded[:t], -1), observed[t]).double()
             energy = dist**2 / (2 * sigmas[t] ** 2) - (prior.logprobs.double() if uses_prior else 0)
             assert token == int(energy.argmin()), (uses_prior, t)
+            total += float(energy[token])
             prior.push(token)
+        # the whole path's energy, from one forward pass of the path, is the sum of the chosen steps' energies
+        assert decoder.path_energy(observed, wb, -1, decoded) == pytest.approx(total, rel=1e-5)
     assert nn.ids != ids  # the noise is large enough to matter
 
 

@@ -23,6 +23,9 @@ B. FREE-RUNNING decoders on ``--n-prompts`` prompts (``--decoders``): greedy NN 
    decoder's accuracy interpolated there.
 
 Where Delta_t is known (part A positions), part B positions also get ||n_t|| / (Delta_t / 2).
+Each free-running path also gets the decoder's own energy (negative log posterior) and the true path's on the
+same noise: a wrong path that scores better is an error of the posterior (no search fixes it), one that scores
+worse an error of the search. ``--rescore NOISE_JSON`` adds these to an earlier run without decoding.
 Outputs: ``noise.json`` (every position record), ``noise.md`` (tables), ``noise.png`` (plot).
 """
 
@@ -101,6 +104,31 @@ def decoders(sigma: float, args) -> list:
     return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 
+def free_noise(h: torch.Tensor, sigma: float, seed: int, sigma_index: int, prompt: int) -> torch.Tensor:
+    """Part B's noise draw for one (prompt, sigma): shared by every decoder, reproducible from the seed."""
+    g = torch.Generator().manual_seed(seed * 1000 + sigma_index * 100 + prompt)
+    return sigma * torch.randn(h.shape, generator=g)
+
+
+def add_energies(wb, layer, prompts, sigmas, args, rows: list[dict]) -> None:
+    """Each free-running row gets ``energy`` and ``true_energy``: the decoder's own objective
+    (attacks.robust.MapBeamSearch.path_energy) of the path it decoded and of the true path, on the same
+    noise draw. A wrong path with the lower energy is the posterior's error, one with the higher the search's."""
+    for si, sigma in enumerate(sigmas):
+        for p, ids in enumerate(prompts):
+            h = wb.states(ids, layer)
+            observed = h + free_noise(h, sigma, args.seed, si, p)
+            for dec in decoders(sigma, args):
+                path = [r for r in rows if r["decoder"] == dec.name and r["sigma"] == sigma and r["prompt"] == p]
+                if not path:
+                    continue
+                decoded = [r["token"] for r in sorted(path, key=lambda r: r["position"])]
+                energy = dec.path_energy(observed, wb, layer, decoded)
+                true_energy = energy if decoded == ids else dec.path_energy(observed, wb, layer, ids)
+                for r in path:
+                    r["energy"], r["true_energy"] = energy, true_energy
+
+
 def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None,
               tokenizer=None) -> list[dict]:
     """Part B: free-running decoders, one shared noise draw per (prompt, sigma).
@@ -113,8 +141,7 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tab
         started = time.perf_counter()
         for p, ids in enumerate(prompts):
             h = wb.states(ids, layer)
-            g = torch.Generator().manual_seed(args.seed * 1000 + si * 100 + p)
-            noise = sigma * torch.randn(h.shape, generator=g)
+            noise = free_noise(h, sigma, args.seed, si, p)
             for dec in decoders(sigma, args):
                 inv = dec.invert(h + noise, wb, layer, tokenizer)  # the learned ranking trains heads on text
                 cands = getattr(dec, "last_candidates", None)
@@ -155,6 +182,7 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
             row[name] = _mean(r["correct"] for r in rs)
             row[name + "_exact_prompts"] = _mean(
                 all(r["correct"] for r in rs if r["prompt"] == p) for p in {r["prompt"] for r in rs})
+            row.update({f"{name}_{k}": v for k, v in error_sources(rs).items()})
         ex = [r for r in exact_rows if r["sigma"] == sigma]
         row["nn_exact_tf"] = _mean(r["nn_exact"] for r in ex)
         row["map_exact_tf"] = _mean(r["map_exact"] for r in ex)
@@ -186,6 +214,22 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
     exact50 = crossing(rows, "nn_exact_tf", 0.5, d) if exact_rows else None
     return {"decoders": names, "by_sigma": rows, "by_ratio": by_ratio,
             "nn_collapse_bin": collapse, "greedy_50": greedy50, "exact_nn_50": exact50}
+
+
+def error_sources(rows: list[dict]) -> dict:
+    """Of one decoder's wrong prompts (rows with energies, :func:`add_energies`), how many the posterior
+    prefers to the truth (``posterior_errors``: no search over this score fixes them) and how many it does
+    not (``search_errors``), with the wrong tokens in each."""
+    out = {"posterior_errors": 0, "search_errors": 0, "posterior_error_tokens": 0, "search_error_tokens": 0}
+    for p in sorted({r["prompt"] for r in rows}):
+        path = [r for r in rows if r["prompt"] == p]
+        wrong = sum(not r["correct"] for r in path)
+        if not wrong or "energy" not in path[0]:
+            continue
+        kind = "posterior" if path[0]["energy"] <= path[0]["true_energy"] else "search"
+        out[kind + "_errors"] += 1
+        out[kind + "_error_tokens"] += wrong
+    return out
 
 
 def crossing(rows: list[dict], key: str, level: float, d: int) -> dict | None:
@@ -235,6 +279,16 @@ def markdown(summary, meta) -> str:
             continue
         cells = " | ".join(f"{b[n]:.2f} ({b['n_' + n]})" if b["n_" + n] else "-" for n in names)
         lines.append(f"| [{b['lo']:g}, {b['hi']:g}) | {b['n_exact']} | {b['nn_exact_tf']:.2f} | {b['map_exact_tf']:.2f} | {cells} |")
+    sources = [(r["sigma"], n, r) for r in summary["by_sigma"] for n in names
+               if r.get(n + "_posterior_errors", 0) + r.get(n + "_search_errors", 0)]
+    if sources:
+        lines += ["", "Where the wrong prompts go wrong: the decoder's own energy (its negative log posterior) of the "
+                  "decoded path against the true path's, same noise. Posterior errors: the wrong path scores better, "
+                  "so no search over this score fixes them; search errors: the truth scores better.", "",
+                  "| sigma | decoder | posterior errors: prompts (wrong tokens) | search errors: prompts (wrong tokens) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {sigma:g} | {n} | {r[n + '_posterior_errors']} ({r[n + '_posterior_error_tokens']}) | "
+                  f"{r[n + '_search_errors']} ({r[n + '_search_error_tokens']}) |" for sigma, n, r in sources]
     lines += ["", f"exact-NN collapse bin (<50%): {summary['nn_collapse_bin']}",
               _crossing_line("greedy NN (shortlist) at 50%", summary["greedy_50"], names),
               _crossing_line("exact NN (teacher-forced) at 50%", summary.get("exact_nn_50"), names)]
@@ -291,8 +345,23 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
             (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
 
     free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables, lm.tokenizer)
+    add_energies(wb, layer, prompts, sigmas, args, free_rows)
     summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
+
+
+def rescore(path: Path) -> dict:
+    """An earlier run's result (its ``noise.json``) with the energies of :func:`add_energies` added and
+    its summary redone: no decoding, the run's own options and noise draws."""
+    try:
+        result = json.loads(Path(path).read_text())
+        meta, run_args = result["meta"], argparse.Namespace(**result["meta"]["args"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--rescore {path}: not a noise.json of this experiment ({err})") from None
+    wb = WhiteBox(load_model(meta["model"]).model)
+    add_energies(wb, meta["layer"], result["prompts"], run_args.sigmas, run_args, result["free"])
+    result["summary"] = summarise(result["exact"], result["free"], run_args.sigmas, wb.d)
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=count, default=None)
     ap.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('noise')})")
+    ap.add_argument("--rescore", default=None, metavar="NOISE_JSON",
+                    help="decode nothing: add the path energies to an earlier run's noise.json (its own options "
+                         "and noise draws; the options above are ignored) and write its tables to --out")
     return ap
 
 
@@ -329,12 +401,12 @@ def noise_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else default_out_dir("noise")
-    result = run(args.model, args.layer, args.sigmas, args, out)
+    result = rescore(args.rescore) if args.rescore else run(args.model, args.layer, args.sigmas, args, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise.json").write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result["summary"], result["meta"])
     (out / "noise.md").write_text(md)
-    plot(result["summary"], out / "noise.png", f"{args.model} layer {result['meta']['layer']}")
+    plot(result["summary"], out / "noise.png", f"{result['meta']['model']} layer {result['meta']['layer']}")
     print(md)
     return 0
 

@@ -77,6 +77,7 @@ class AttackOptions:
 
     robust: str = "map"
     beam_width: int = 4
+    beam_early_width: int | None = None  # the beam's width at its first positions (MapBeamSearch.early_width)
     seed: int = 0
     policy: str = "gradient"  # exact SipIt's candidate order (attacks.policies.POLICIES)
     shortlist: dict | None = None  # CandidateScorer options of the shortlist decoders (nn-*, map, beam)
@@ -112,7 +113,7 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
     "map": lambda e, o: MapDecoder(e.sigma, **_shortlist(o)),
-    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, **_shortlist(o)),
+    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, early_width=o.beam_early_width, **_shortlist(o)),
     "pooled-beam": _pooled,
     "inverse-head": lambda e, o: InverseHeadAttack(),
 }

@@ -375,17 +375,28 @@ class MapBeamSearch:
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
+                 early_width: int | None = None, early_positions: int = 2,
                  progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
         """``scorer``: the candidates scored per position (default: a :class:`CandidateScorer` with
-        ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
+        ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...).
+        ``early_width`` (default ``width``): the hypotheses kept after each of the first ``early_positions``
+        positions, where the prior knows least and a pruned true token is lost before the later states,
+        which also depend on it, are read (benchmarks.experiments.noise: the search errors at layer 15)."""
         _check(sigma, alpha, rel_tol)
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
+        early_width = width if early_width is None else early_width
+        if min(width, early_width) < 1 or early_positions < 0:
+            raise ValueError(f"width and early_width must be >= 1 and early_positions >= 0, got {width}, "
+                             f"{early_width}, {early_positions}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
+        self.early_width, self.early_positions = early_width, early_positions
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
         self.scorer = scorer if scorer is not None else CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         self.backtracks = 0  # of the last call
         self.last_candidates: list[torch.Tensor] = []  # candidates scored per position on the returned path
+
+    def width_at(self, t: int) -> int:
+        """The hypotheses kept after position t: ``early_width`` for the first ``early_positions``, then ``width``."""
+        return self.early_width if t < self.early_positions else self.width
 
     def _expand(self, hyp: _Hyp, whitebox, target, sigma, radius, widen: bool = True) -> list[_Pending]:
         """Score hyp's children. Only the best hypothesis (``widen``) gets extra rounds and its own
@@ -393,7 +404,7 @@ class MapBeamSearch:
         prior = hyp.prior.logprobs if hyp.prior is not None else None
         scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma if widen else None, borrow=not widen)
         loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
-        k = min(self.width, loglik.numel())
+        k = min(self.width_at(len(hyp.tokens)), loglik.numel())
         top = torch.topk(loglik, k).indices
         return [_Pending(-(hyp.score + float(loglik[j])), int(scored.candidates[j]), float(scored.distances[j]),
                          scored.candidates, hyp) for j in top.tolist()]
@@ -467,7 +478,7 @@ class MapBeamSearch:
                 for h in revived:
                     for c in self._expand(h, whitebox, observed[t], sigmas[t], radii[t], widen=False):
                         heapq.heappush(pending, c)
-            took = [heapq.heappop(pending) for _ in range(min(self.width, len(pending)))]
+            took = [heapq.heappop(pending) for _ in range(min(self.width_at(t), len(pending)))]
             secs = (time.perf_counter() - t0) / max(len(beams[t]), 1)
             beams.append([self._materialise(p, whitebox, radii[t], secs, t + 1 == T) for p in took])
             reserve.append(pending)

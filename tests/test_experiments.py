@@ -106,3 +106,14 @@ def test_defense_report_prices_exposure_noise_by_its_use_not_by_the_served_model
     assert "| defence | setting |" in report and "continued: ppl rel. increase" in report
     line = next(x for x in report.splitlines() if "sigma=1.0, relative_to=rms, placement=exposure" in x)
     assert f"{loud['uses']['continued']['loss']:+.3f}" in line and line.count("n/a") == 0
+
+
+def test_noise_options_reach_the_beam_and_its_shortlist():
+    """--early-width and --table-positions set the beam's early width and the positions scored over the whole
+    vocabulary; unset, the beam keeps --width throughout and the ranking's own default."""
+    parse = noise.build_parser().parse_args
+    (beam,) = noise.decoders(1.0, parse(["--decoders", "beam", "--width", "4", "--early-width", "32",
+                                         "--table-positions", "2", "--ranking", "learned+surrogate"]))
+    assert [beam.width_at(t) for t in range(4)] == [32, 32, 4, 4] and beam.scorer.exact_positions == 2
+    (beam,) = noise.decoders(1.0, parse(["--decoders", "beam", "--width", "4", "--ranking", "learned+surrogate"]))
+    assert [beam.width_at(t) for t in range(4)] == [4, 4, 4, 4] and beam.scorer.exact_positions == 1

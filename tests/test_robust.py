@@ -124,3 +124,33 @@ def test_bad_arguments_raise():
         MapBeamSearch(0.1, width=0)
     with pytest.raises(ValueError):
         MapBeamSearch(0.1, alpha=1.5)
+
+
+def test_an_early_width_of_the_whole_vocabulary_makes_the_beam_the_joint_map_of_two_tokens(tiny):
+    """early_width = V keeps every position-0 token; expanded over the whole vocabulary (exact) the search then
+    returns the two-token path of least energy among all V^2, which greedy decoding misses on this draw."""
+    from attacks.robust import effective_sigmas
+    from sipit.prior import NextTokenPrior
+    from sipit.sweep import sweep_distances
+
+    lm, wb = tiny
+    sigma = 0.1
+    (ids,) = sampled_prompts(lm, 1, 2, seed=0)
+    observed = wb.states(ids, -1) + sigma * torch.randn(2, wb.d, generator=torch.Generator().manual_seed(3))
+    s0, s1 = effective_sigmas(observed, sigma, 1e-4)
+    root = NextTokenPrior(wb.model)
+    first = (sweep_distances(wb, wb.prefix_cache([], -1), observed[0]).double() ** 2 / (2 * s0**2)
+             - root.logprobs.double())
+    best = (math.inf, None)
+    for x0 in range(wb.vocab_size):
+        prior = NextTokenPrior(wb.model)
+        prior.push(x0)
+        second = (sweep_distances(wb, wb.prefix_cache([x0], -1), observed[1]).double() ** 2 / (2 * s1**2)
+                  - prior.logprobs.double())
+        x1 = int(second.argmin())
+        best = min(best, (float(first[x0] + second[x1]), [x0, x1]))
+    wide = MapBeamSearch(sigma, width=1, early_width=wb.vocab_size, early_positions=1, exact=True, backtrack=False)
+    greedy = MapDecoder(sigma, exact=True)
+    assert wide.invert(observed, wb, -1).ids == best[1]
+    assert wide.path_energy(observed, wb, -1, best[1]) == pytest.approx(best[0], rel=1e-5)
+    assert greedy.invert(observed, wb, -1).ids != best[1]  # the draw is one where the early width matters

@@ -98,9 +98,11 @@ DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")  # attacks.registry n
 
 def decoders(sigma: float, args) -> list:
     """The free-running decoders named in ``args.decoders`` (attacks.registry), all on the same shortlist settings."""
-    options = AttackOptions(beam_width=args.width, max_candidates=args.k_prior + args.rounds * args.k_grad,
+    table = {"exact_positions": args.table_positions} if args.table_positions is not None else {}
+    options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width,
+                            max_candidates=args.k_prior + args.rounds * args.k_grad,
                             shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
-                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy))
+                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy, **table))
     return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 
@@ -355,7 +357,8 @@ def rescore(path: Path) -> dict:
     its summary redone: no decoding, the run's own options and noise draws."""
     try:
         result = json.loads(Path(path).read_text())
-        meta, run_args = result["meta"], argparse.Namespace(**result["meta"]["args"])
+        meta = result["meta"]  # a run recorded before an option was added ran its default
+        run_args = argparse.Namespace(**{**vars(build_parser().parse_args([])), **meta["args"]})
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"--rescore {path}: not a noise.json of this experiment ({err})") from None
     wb = WhiteBox(load_model(meta["model"]).model)
@@ -381,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k-grad", type=count, default=32)
     ap.add_argument("--rounds", type=arg(check_int, low=0), default=1)
     ap.add_argument("--width", type=count, default=4)
+    ap.add_argument("--early-width", type=count, default=None,
+                    help="beam width at the first two positions (default: --width)")
+    ap.add_argument("--table-positions", type=arg(check_int, low=0), default=None,
+                    help="positions the shortlist decoders' best hypothesis scores over the whole vocabulary "
+                         "(default: 1 for the learned rankings, 2 for the others)")
     ap.add_argument("--ranking", default="surrogate", choices=RANKINGS, help="how the shortlist is ranked")
     ap.add_argument("--n-fit", type=count, default=1536, help="tokens the linear surrogate is fitted on")
     ap.add_argument("--k-proxy", type=count, default=128, help="surrogate-ranked tokens verified per round")

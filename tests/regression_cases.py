@@ -90,7 +90,9 @@ PINNED = {"run": RUN_PINNED, "search": ("--bound", "point", "--policy", "gradien
 #: an nf4-served tiny-llama perplexity 0.017% apart and states 0.5% apart (state_rel_l2 0.2159 vs
 #: 0.2150) on the recording machine and on an AMD EPYC without AVX-512. Recovered ids are unaffected.
 BNB_4BIT_TOL = ((r"^trials\[\d+\]\.(ppl_rel_increase|utility_loss)$", (1e-4, 1e-3)),
-                (r"^trials\[\d+\]\.state_rel_l2$", (2e-2, 1e-9)))
+                # the size of the nf4 error itself (the state gap, the sigma it is decoded as): 1.4e-4 apart on an
+                # AMD EPYC with avx512_bf16 (2026-12-06) from the recording's CPU
+                (r"^trials\[\d+\]\.(state_rel_l2|sigma_abs_median)$", (2e-2, 1e-9)))
 RUN_COMMON = ("--n-prompts", "3", "--length", "8", "--seed", "0", "--head-tokens", "1024", "--head-epochs", "20",
               "--utility-tokens", "128", "--margin-positions", "-1", "--no-tracking", "--no-progress",
               "--out", "{out}")

@@ -350,7 +350,7 @@ def test_continued_inference_prices_what_leaks_from_the_exposed_copy(llama):
 
 
 def _fp4_prompt() -> torch.Tensor:
-    # 24 seeded ids on which tiny-llama's fp4 copy shows a cached-step gap on this CPU's bf16 kernel
+    # 24 seeded ids on which tiny-llama's fp4 copy showed a cached-step gap on an earlier machine's bf16 kernel
     return torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(24))
 
 
@@ -362,16 +362,14 @@ def test_served_shape_verification_reproduces_the_served_4bit_states_bit_for_bit
     view = wb.at_served_shape(len(ids))
     assert view.memo is wb.memo and wb.served_length is None and view.served_length == len(ids)
     prefix = view.prefix_cache([], layer)
-    cached_gap = 0.0
+    # Whether a plain cached step misses the served state depends on the CPU's 4-bit kernel: by more than
+    # SipIt's eps on an earlier machine's CPU with avx512_bf16, not at all on an AMD EPYC with it
+    # (2026-12-06). The served-shape step must equal it bit for bit on every CPU.
     for t, token in enumerate(ids.tolist()):
         candidates = torch.tensor([3, token, 11])
         batch = view.step(prefix, candidates)
         assert torch.equal(batch.states[1], full[t])  # the served state, whatever the batch holds
-        cached = wb.step(prefix, candidates).states[1]
-        cached_gap = max(cached_gap, ((cached - full[t]).norm() / full[t].norm()).item())
         prefix = batch.extended(1)
-    if bnb.functional.has_avx512bf16():  # the bf16 4-bit kernel: cached steps miss by more than SipIt's eps
-        assert cached_gap > 1e-4
     with pytest.raises(SipitInputError, match="served length"):
         wb.at_served_shape(0)
 

@@ -337,12 +337,17 @@ class RadiusScorer:
         return Scored(torch.cat(found.ids).cpu(), torch.cat(found.distances).float().cpu())
 
 
+def step_energy(squared: torch.Tensor, sigma: float, log_prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Negative log posterior of a token at one position, up to a constant:
+    e = ||h(x) - h~||^2 / (2 sigma^2) - log P(x | prefix), the prior term only when ``log_prior`` is given."""
+    energy = squared.double() / (2 * sigma**2)
+    return energy if log_prior is None else energy - log_prior.double()
+
+
 def map_scores(scored: Scored, prior: torch.Tensor | None, sigma: float) -> torch.Tensor:
-    """Negative log posterior (up to a constant) of each scored candidate."""
-    energy = scored.distances.double().pow(2) / (2 * sigma**2)
-    if prior is not None:
-        energy = energy - prior.cpu().double()[scored.candidates]
-    return energy
+    """:func:`step_energy` of each scored candidate."""
+    log_prior = prior.cpu()[scored.candidates] if prior is not None else None
+    return step_energy(scored.distances.double().pow(2), sigma, log_prior)
 
 
 @dataclass(order=True)
@@ -425,20 +430,20 @@ class MapBeamSearch:
     @torch.no_grad()
     def path_energy(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, ids: list[int]) -> float:
         """The energy this search minimises, of one whole path ``ids`` (minus the score it maximises):
-        E(x) = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the prior term only when the
-        search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path with E no higher than
+        E(x) = sum_t :func:`step_energy` = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the prior
+        term only when the search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path with E no higher than
         the true path's is an error of the posterior, which no search over this score fixes; one with a
         higher E is an error of the search."""
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed, len(ids))
-        sigmas = torch.tensor(effective_sigmas(observed, self.sigma, self.rel_tol), dtype=torch.float64)
+        sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
         squared = (whitebox.states(ids, layer).double() - observed.double()).pow(2).sum(-1)
-        energy = float((squared / (2 * sigmas**2)).sum())
-        if self.use_prior:
-            prior = NextTokenPrior(whitebox.model)
-            for token in ids:
-                if prior.logprobs is not None:
-                    energy -= float(prior.logprobs[token])
+        prior = NextTokenPrior(whitebox.model) if self.use_prior else None
+        energy = 0.0
+        for t, token in enumerate(ids):
+            log_prior = prior.logprobs[token] if prior is not None and prior.logprobs is not None else None
+            energy += float(step_energy(squared[t], sigmas[t], log_prior))
+            if prior is not None:
                 prior.push(token)
         return energy
 

@@ -62,7 +62,7 @@ from benchmarks.search_report import write_report
 from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
 from attacks.policies import POLICIES
 from attacks.registry import ROBUST
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget
+from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget, check_given_setting
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
 from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
 from benchmarks.search_worker import run_worker
@@ -98,6 +98,7 @@ def run_search(
     sigma_low: float = 0.01,
     sigma_high: float = 10.0,
     tying_method: str = "rare",
+    enqueue: list[dict] | None = None,
     workers: int = 1,
     create_only: bool = False,
     attach: bool = False,
@@ -114,7 +115,11 @@ def run_search(
 ) -> dict:
     """Create the study (unless ``attach``), run ``workers`` workers, write the report (unless attach).
 
-    Everything is validated (options, budget, the tracking store) before the study is created.
+    ``enqueue``: settings to measure before any the sampler draws (Optuna parameter names, e.g.
+    ``{"family": "noise", "noise.sigma": 4.7, "noise.placement": "exposure"}``), each checked against the search
+    space and queued once (one already queued or measured is not queued again); they count toward ``n_trials``.
+
+    Everything is validated (options, budget, the tracking store, ``enqueue``) before the study is created.
     Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``. Raises
     :class:`SearchUsageError` (bad input), :class:`SearchAborted` (a worker died, the storage stayed
     down: rerun to resume) or :class:`SearchInterrupted` (Ctrl-C: running trials re-queued).
@@ -128,11 +133,14 @@ def run_search(
                          tying_method=tying_method, experiment=experiment, bound=bound,
                          policy=policy, startup_trials=startup_trials, robust=robust, max_prompts=max_prompts)
     _check_tracking(tracking_uri, track, creating=not attach)
+    enqueue = _check_enqueue(enqueue or [], config, steps=(attach, report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                          runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only)
     st = _open_study(store, storage, study, config, existing=attach or report_only, tracking_uri=tracking_uri,
                      track=track, log=log)
+    for params in enqueue:
+        st.enqueue_trial(params, skip_if_exists=True)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
     if not create_only and not report_only:
@@ -173,6 +181,27 @@ def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) ->
         check_store(tracking_uri or default_tracking_uri())
     except TrackingError as err:
         raise SearchUsageError(str(err)) from None
+
+
+def _check_enqueue(enqueue: list[dict], config: dict, *, steps: tuple[bool, bool]) -> list[dict]:
+    """The ``enqueue`` settings, each one the search space could draw (search_space.check_given_setting)."""
+    if enqueue and any(steps):
+        raise SearchUsageError("--enqueue needs the command that runs or creates the study, not --attach or --report-only")
+    vocab_size = 0  # only a tying setting reads it
+    if any("tying" in str(params.get("family", "")).split("+") for params in enqueue):
+        from sipit.models import load_model
+        from sipit.whitebox import WhiteBox
+
+        vocab_size = WhiteBox(load_model(config["model"]).model).vocab_size
+    checked = []
+    for params in enqueue:
+        try:
+            checked.append(check_given_setting(params, config["families"], vocab_size=vocab_size,
+                                               length=config["length"], sigma_low=config["sigma_low"],
+                                               sigma_high=config["sigma_high"], tying_method=config["tying_method"]))
+        except ValueError as err:
+            raise SearchUsageError(f"--enqueue {json.dumps(params)}: {err}") from None
+    return checked
 
 
 def _open_study(store, storage: str, study: str, config: dict, *, existing: bool, tracking_uri, track: bool, log):
@@ -229,13 +258,14 @@ def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, r
 
 
 def _json_object(text: str) -> dict:
-    """argparse type of ``--budget``: a JSON object (``search_study.check_budget`` checks its keys and values)."""
+    """argparse type of ``--budget`` and ``--enqueue``: a JSON object (``search_study.check_budget`` and
+    ``search_space.check_given_setting`` check its keys and values)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. {json.dumps(AttackBudget().to_dict())}")
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     return value
 
 
@@ -299,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sigma-low", type=float, default=0.01, help="noise sigma range (x state RMS), log-uniform")
     s.add_argument("--sigma-high", type=float, default=10.0)
     s.add_argument("--tying-method", default="rare", choices=("rare", "kmeans"))
+    s.add_argument("--enqueue", type=_json_object, action="append", default=None, metavar="JSON",
+                   help='a setting to measure first, in Optuna names, e.g. \'{"family": "noise", "noise.sigma": 4.7, '
+                        '"noise.placement": "exposure"}\' (repeatable; counts toward --n-trials: raise it to add '
+                        'trials to a finished study)')
     t = p.add_argument_group("tracking, faults and output")
     t.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                    help="MLflow tracking URI, e.g. http://127.0.0.1:5000 (default $MLFLOW_TRACKING_URI, else the "

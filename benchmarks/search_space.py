@@ -120,6 +120,52 @@ def suggest_setting(trial, families, *, vocab_size: int, length: int, sigma_low:
     return family, names, params
 
 
+class _GivenSetting:
+    """An Optuna-trial stand-in that answers :func:`suggest_setting` from given parameters and checks each
+    against the distribution it is drawn from (what ``study.enqueue_trial`` would only warn about)."""
+
+    def __init__(self, params: dict):
+        self.params, self.drawn = params, {}  # drawn: the values as the search space types them
+
+    def _value(self, name: str):
+        if name not in self.params:
+            raise ValueError(f"parameter {name!r} is missing")
+        self.drawn[name] = self.params[name]
+        return self.params[name]
+
+    def suggest_categorical(self, name: str, choices: list):
+        value = self._value(name)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        return value
+
+    def suggest_float(self, name: str, low: float, high: float, log: bool = False) -> float:
+        value = self._value(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
+        self.drawn[name] = float(value)
+        return float(value)
+
+    def suggest_int(self, name: str, low: int, high: int, log: bool = False) -> int:
+        value = self._value(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        return value
+
+
+def check_given_setting(params: dict, families, *, vocab_size: int, length: int, sigma_low: float,
+                        sigma_high: float, tying_method: str = "rare") -> dict:
+    """``params`` (Optuna names, e.g. ``{"family": "noise", "noise.sigma": 4.7, "noise.placement": "exposure"}``),
+    typed as :func:`suggest_setting` draws them, if it could draw exactly them; else ValueError saying what is wrong."""
+    given = _GivenSetting(params)
+    suggest_setting(given, families, vocab_size=vocab_size, length=length, sigma_low=sigma_low, sigma_high=sigma_high,
+                    tying_method=tying_method)
+    unknown = sorted(set(params) - set(given.drawn))
+    if unknown:
+        raise ValueError(f"parameters {unknown} are not drawn by family {params['family']!r}")
+    return given.drawn
+
+
 def report_group(family: str, params: dict) -> str:
     """The report's row key: the family, with noise split by placement (they cost differently)."""
     if "noise" in family.split("+"):

@@ -423,6 +423,36 @@ def test_budget_option_must_be_a_json_object(capsys, text, message):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_an_enqueued_setting_is_measured_first_and_queued_once(tmp_path):
+    storage, quiet = str(tmp_path / "q.journal"), dict(track=False, out=tmp_path / "o", log=lambda *a, **k: None)
+    given = {"family": "noise", "noise.sigma": 3, "noise.placement": "exposure"}  # an int sigma is a float sigma
+    run_search(storage, "given", 1, enqueue=[given], **quiet, **FAST)
+    run_search(storage, "given", 2, enqueue=[given], **quiet, **FAST)  # the rerun does not queue it again
+    trials = _trials(storage, "given")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert trials[0].params == {"family": "noise", "noise.sigma": 3.0, "noise.placement": "exposure"}
+    assert trials[1].params != trials[0].params  # the sampler's own draw
+    assert trials[0].user_attrs["defense_params"]["sigma"] == 3.0
+    with pytest.raises(SearchUsageError, match="--enqueue needs the command that runs or creates the study"):
+        run_search(storage, "given", 2, enqueue=[given], report_only=True, **quiet, **FAST)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"family": "noise", "noise.sigma": 30.0, "noise.placement": "exposure"}, r"noise.sigma must be a number in \[0.05, 20\]"),
+    ({"family": "noise", "noise.sigma": 3.0}, "'noise.placement' is missing"),
+    ({"family": "noise", "noise.sigma": 3.0, "noise.placement": "exposure", "quant.mode": "int8"},
+     r"\['quant.mode'\] are not drawn by family 'noise'"),
+    ({"family": "pooling", "pooling.mode": "mean", "pooling.over": "all"}, "family must be one of"),
+    ({"family": "tying", "tying.groups": 1}, r"tying.groups must be an integer in \[8, 511\], got 1"),
+    ({"family": "quant", "quant.mode": "int3"}, "quant.mode must be one of"),
+])
+def test_a_bad_enqueued_setting_is_refused_before_the_study_exists(tmp_path, given, message):
+    with pytest.raises(SearchUsageError, match=message):
+        run_search(str(tmp_path / "s.journal"), "bad", 2, track=False, enqueue=[given],
+                   **{**FAST, "families": "noise,quant,tying"})
+    assert not (tmp_path / "s.journal").exists()
+
+
 def test_default_out_dir_is_used_without_out(tmp_path, monkeypatch):
     monkeypatch.setenv("SIPIT_RESULTS_DIR", str(tmp_path / "results"))
     result = run_search(str(tmp_path / "d.journal"), "dflt", 1, track=False, log=lambda *a, **k: None, **FAST)

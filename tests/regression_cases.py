@@ -73,8 +73,10 @@ FIELD_TOL = [
 #: commit ran with 2 threads instead of 1: any change of summation order (batching, kernels) moves
 #: it. Floor 1e-2; the noisy distances of run-smollm2-* (~2.5 and ~100) stay within ~0.4% / 1e-4.
 SMOL_TOL = ((r"(^|\.)distances?(\[|$)", (1e-4, 1e-2)),)
-#: summary keys of benchmarks.experiments.noise added after the noise recordings (<decoder>_<suffix>)
-ERROR_SOURCE_SUFFIXES = ("_posterior_errors", "_search_errors", "_posterior_error_tokens", "_search_error_tokens")
+#: summary keys of benchmarks.experiments.noise added after the noise recordings (<decoder>_<suffix>), all
+#: derived from the free-running rows the case compares one by one
+LATER_SUMMARY_SUFFIXES = ("_posterior_errors", "_search_errors", "_posterior_error_tokens", "_search_error_tokens",
+                          "_by_position")
 
 #: the main job's defaults when the cases were recorded (7fbee15), given first so a case's own flags
 #: override them: the run's defaults later became 20 x 20 tokens, the learned order and the
@@ -343,7 +345,7 @@ def extract_noise(ran: Ran) -> dict:
         "prompts": res["prompts"],
         "decoders": summary["decoders"],
         # the error sources (posterior vs search) came after the recordings; tests/test_experiments checks them
-        "by_sigma": [{k: v for k, v in r.items() if not k.endswith(ERROR_SOURCE_SUFFIXES)} for r in summary["by_sigma"]],
+        "by_sigma": [{k: v for k, v in r.items() if not k.endswith(LATER_SUMMARY_SUFFIXES)} for r in summary["by_sigma"]],
         "by_ratio": summary["by_ratio"],
         "nn_collapse_bin": summary["nn_collapse_bin"],
         "greedy_50": summary["greedy_50"],

@@ -42,6 +42,10 @@ def test_noise_decoders_exact_at_sigma_zero_and_report_written(tmp_path):
             wrong = {r["prompt"] for r in result["free"] if r["decoder"] == name and r["sigma"] == row["sigma"]
                      and not r["correct"]}
             assert row[name + "_posterior_errors"] + row[name + "_search_errors"] == len(wrong)
+            assert len(row[name + "_by_position"]) == 3  # equal positions per prompt: their mean is the rate
+            assert sum(row[name + "_by_position"]) / 3 == pytest.approx(row[name])
+    noise.plot({**result["summary"], "by_ratio": []}, tmp_path / "free-only.png", "no exact part")  # by position
+    assert (tmp_path / "free-only.png").stat().st_size > 0
     # --rescore recomputes the same energies from the written run, decoding nothing
     assert noise.main(["--rescore", str(out / "noise.json"), "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "noise.json").read_text())

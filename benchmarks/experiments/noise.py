@@ -185,6 +185,8 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
             row[name + "_exact_prompts"] = _mean(
                 all(r["correct"] for r in rs if r["prompt"] == p) for p in {r["prompt"] for r in rs})
             row.update({f"{name}_{k}": v for k, v in error_sources(rs).items()})
+            row[name + "_by_position"] = [_mean(r["correct"] for r in rs if r["position"] == t)
+                                          for t in range(max((r["position"] + 1 for r in rs), default=0))]
         ex = [r for r in exact_rows if r["sigma"] == sigma]
         row["nn_exact_tf"] = _mean(r["nn_exact"] for r in ex)
         row["map_exact_tf"] = _mean(r["map_exact"] for r in ex)
@@ -305,18 +307,27 @@ def plot(summary, path: Path, title: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     bins = [x for x in summary["by_ratio"] if x["n_exact"]]
-    mids = [(x["lo"] + min(x["hi"], 2 * x["lo"] + 1)) / 2 for x in bins]
-    a.plot(mids, [x["nn_exact_tf"] for x in bins], "o-", label="exact NN (teacher-forced)")
-    a.plot(mids, [x["map_exact_tf"] for x in bins], "s-", label="exact MAP (teacher-forced)")
-    for name in summary["decoders"]:
-        pts = [(m, x[name]) for m, x in zip(mids, bins) if x["n_" + name] >= MIN_PLOTTED]
-        if pts:
-            a.plot(*zip(*pts), ".--", label=f"{name} (free-running, bins with n >= {MIN_PLOTTED})")
-    a.axvline(1.0, color="grey", lw=0.8)
-    a.set_xscale("symlog", linthresh=1)
-    a.set_xlabel("||n|| / (Delta/2)")
-    a.set_ylabel("token recovery")
-    a.legend(fontsize=7)
+    if not bins:  # no exact part: the free-running decoders' recovery by position instead
+        for r in summary["by_sigma"]:
+            for name in summary["decoders"]:
+                accuracy = r.get(name + "_by_position", [])
+                a.plot(range(len(accuracy)), accuracy, "o-", label=f"{name}, sigma {r['sigma']:g}")
+        a.set_xlabel("position")
+        a.set_ylabel("token recovery (free-running)")
+        a.legend(fontsize=7)
+    else:
+        mids = [(x["lo"] + min(x["hi"], 2 * x["lo"] + 1)) / 2 for x in bins]
+        a.plot(mids, [x["nn_exact_tf"] for x in bins], "o-", label="exact NN (teacher-forced)")
+        a.plot(mids, [x["map_exact_tf"] for x in bins], "s-", label="exact MAP (teacher-forced)")
+        for name in summary["decoders"]:
+            pts = [(m, x[name]) for m, x in zip(mids, bins) if x["n_" + name] >= MIN_PLOTTED]
+            if pts:
+                a.plot(*zip(*pts), ".--", label=f"{name} (free-running, bins with n >= {MIN_PLOTTED})")
+        a.axvline(1.0, color="grey", lw=0.8)
+        a.set_xscale("symlog", linthresh=1)
+        a.set_xlabel("||n|| / (Delta/2)")
+        a.set_ylabel("token recovery")
+        a.legend(fontsize=7)
     sig = [r["sigma"] for r in summary["by_sigma"]]
     for name in summary["decoders"]:
         b.plot(sig, [r[name] for r in summary["by_sigma"]], "o-", label=name)

@@ -141,6 +141,9 @@ def run_search(
                      track=track, log=log)
     for params in enqueue:
         st.enqueue_trial(params, skip_if_exists=True)
+    if enqueue and trial_counts(st)["COMPLETE"] >= n_trials and not create_only:
+        log(f"[search] the study already holds {n_trials} complete trials: queued settings wait for a larger "
+            "--n-trials", file=sys.stderr)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study}")
     result = {"study": study, "report": None, "ran": 0}
     if not create_only and not report_only:

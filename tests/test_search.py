@@ -433,6 +433,11 @@ def test_an_enqueued_setting_is_measured_first_and_queued_once(tmp_path):
     assert trials[0].params == {"family": "noise", "noise.sigma": 3.0, "noise.placement": "exposure"}
     assert trials[1].params != trials[0].params  # the sampler's own draw
     assert trials[0].user_attrs["defense_params"]["sigma"] == 3.0
+    said: list[str] = []
+    later = {"family": "noise", "noise.sigma": 5.0, "noise.placement": "model"}
+    run_search(storage, "given", 2, enqueue=[later], **{**quiet, "log": lambda *a, **k: said.append(" ".join(a))}, **FAST)
+    assert any("queued settings wait for a larger --n-trials" in line for line in said)
+    assert [t.state for t in _trials(storage, "given")][2:] == [TrialState.WAITING]
     with pytest.raises(SearchUsageError, match="--enqueue needs the command that runs or creates the study"):
         run_search(storage, "given", 2, enqueue=[given], report_only=True, **quiet, **FAST)
 

@@ -430,10 +430,10 @@ class MapBeamSearch:
     @torch.no_grad()
     def path_energy(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, ids: list[int]) -> float:
         """The energy this search minimises, of one whole path ``ids`` (minus the score it maximises):
-        E(x) = sum_t :func:`step_energy` = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the prior
-        term only when the search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path with E no higher than
-        the true path's is an error of the posterior, which no search over this score fixes; one with a
-        higher E is an error of the search."""
+        E(x) = sum_t :func:`step_energy` = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the
+        prior term only when the search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path
+        with E no higher than the true path's is an error of the posterior, which no search over this score
+        fixes; one with a higher E is an error of the search."""
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed, len(ids))
         sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)

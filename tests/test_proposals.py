@@ -34,6 +34,32 @@ def test_position_zero_table_equals_the_models_own_states(tiny, one_thread):
 
 
 
+def test_scores_ahead_equal_each_positions_own_and_read_each_head_once(tiny_llama, one_thread, monkeypatch):
+    """observe() lets the heads score every observed row in one product per head; each row's
+    log q equals the row scored alone, and a target that is not the observed row is scored alone."""
+    loaded, wb = tiny_llama
+    policy = LearnedPolicy(SMALL)
+    policy.prepare(wb, 2, loaded.tokenizer)
+    observed = wb.states(prompt_set(loaded.tokenizer, 1, length=10, seed=2)[0].ids, 2)
+    alone = {t: policy.head_at(t).log_probs(observed[t]) for t in range(1, 10)}
+    calls = []
+    for head, _ in policy.heads.values():
+        monkeypatch.setattr(head, "log_probs", lambda h, f=head.log_probs: calls.append(h.shape) or f(h))
+    policy.observe(observed)
+    moved = observed[3] + 0.5
+    torch.testing.assert_close(policy.head_log_probs(3, moved), policy.head_at(3).log_probs(moved))
+    assert not torch.allclose(policy.head_log_probs(3, moved), alone[3])
+    calls.clear()
+    for t in range(1, 10):
+        torch.testing.assert_close(policy.head_log_probs(t, observed[t]), alone[t], rtol=1e-5, atol=1e-5)
+    assert calls == [(1, wb.d), (8, wb.d)]  # position 1's head once, the later positions' head once
+    table = policy.table
+    direct = -(table.states - observed[0]).pow(2).sum(1)
+    fast = table.neg_sq_distances(observed[0])
+    torch.testing.assert_close(fast, direct, rtol=1e-4, atol=1e-4 * float(table.states.pow(2).sum(1).max()))
+    assert int(fast.argmax()) == int(direct.argmax())
+
+
 @pytest.mark.parametrize("tying", [{"rare": 200}, {"groups": 64}])
 def test_a_tied_copy_steps_only_the_rows_its_original_lacks(tying, one_thread, monkeypatch):
     """F_v depends on v only through e_v: a copy tied to its original's rows steps nothing, one tied

@@ -108,7 +108,8 @@ def proposal_ranks(policy: LearnedPolicy, whitebox: WhiteBox, prompts, layer: in
     for prompt in prompts:
         states = whitebox.states(prompt.ids, layer).float().cpu()
         ids = torch.tensor(prompt.ids)
-        table = -(policy.table.states.float().cpu() - states[0]).pow(2).sum(1)
+        policy.observe(states)
+        table = policy.table.neg_sq_distances(states[0]).float().cpu()
         ranks["table (position 0)"] += true_ranks(table[None], ids[:1]).tolist()
         if len(prompt.ids) > 1:
             prior = prior_logprobs(whitebox, prompt.ids)

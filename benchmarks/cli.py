@@ -8,6 +8,7 @@
   ImportError) into one line ``<prog>: error: ...`` on stderr with exit code 2 instead of a
   traceback (``SIPIT_TRACEBACK=1`` shows the traceback).
 - :func:`default_out_dir`: where every command writes without ``--out``.
+- :func:`write_atomic`: a text file written whole or not at all (progress files a rerun resumes from).
 - :func:`interrupt_once`: the first SIGINT/SIGTERM interrupts, later ones are ignored while the
   interrupted command cleans up.
 """
@@ -18,6 +19,7 @@ import argparse
 import math
 import os
 import signal
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +49,20 @@ def default_out_dir(command_name: str) -> Path:
 
 
 # --------------------------------------------------------------------------- checkers
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename, so an interruption
+    leaves the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def usage_error(name: str, problem: str) -> UsageError:
     """The error for option ``name`` (may be empty: argparse names the flag itself) and ``problem``."""
     return UsageError(f"{name} {problem}" if name else problem)

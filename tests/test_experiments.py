@@ -57,6 +57,49 @@ def test_noise_decoders_exact_at_sigma_zero_and_report_written(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_an_interrupted_noise_run_keeps_its_finished_prompts_and_the_same_command_finishes_it(tmp_path, monkeypatch):
+    out = tmp_path / "noise"
+
+    def argv(folder, length="3"):
+        return ["--model", "tiny-llama", "--sigmas", "1", "--n-prompts", "3", "--length", length, "--exact-prompts",
+                "0", "--decoders", "map", "--n-fit", "64", "--k-proxy", "16", "--k-prior", "8", "--k-grad", "8",
+                "--out", str(folder)]
+
+    real, draws = noise.free_noise, []
+
+    def drawn(h, sigma, seed, sigma_index, prompt):  # the noise of one (sigma, prompt): decoding it starts here
+        draws.append(prompt)
+        if prompt == stop_at:
+            raise KeyboardInterrupt
+        return real(h, sigma, seed, sigma_index, prompt)
+
+    monkeypatch.setattr(noise, "free_noise", drawn)
+    stop_at = 2
+    assert noise.main(argv(out)) == 130
+    assert not (out / "noise.json").exists()
+    kept = json.loads((out / noise.PROGRESS_FILE).read_text())["rows"]
+    assert sorted({r["prompt"] for r in kept}) == [0, 1] and len(kept) == 6
+    draws.clear()
+    stop_at = None
+    assert noise.main(argv(out)) == 0
+    assert draws == [2, 0, 1, 2]  # only prompt 2 is decoded again; then every path's energy is scored
+    assert not (out / noise.PROGRESS_FILE).exists()
+    resumed = json.loads((out / "noise.json").read_text())["free"]
+    assert noise.main(argv(tmp_path / "whole")) == 0
+    whole = json.loads((tmp_path / "whole" / "noise.json").read_text())["free"]
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in resumed] == \
+        [{k: v for k, v in r.items() if k != "seconds"} for r in whole]
+    # an unfinished run is never mixed with rows of other options: one error line, exit code 2, nothing written
+    stop_at = 1
+    assert noise.main(argv(tmp_path / "other")) == 130
+    stop_at = None
+    with pytest.raises(SystemExit) as exited:
+        noise.main(argv(tmp_path / "other", length="2"))
+    assert exited.value.code == 2
+    assert not (tmp_path / "other" / "noise.json").exists()
+    assert (tmp_path / "other" / noise.PROGRESS_FILE).exists()
+
+
 def test_gap_is_below_the_tolerance_it_derives(capsys):
     table = gap.measure_gaps("tiny-llama", "first,last", n_prompts=1, length=6)
     assert len(table) == 2

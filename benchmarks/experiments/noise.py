@@ -27,6 +27,11 @@ Each free-running path also gets the decoder's own energy (negative log posterio
 same noise: a wrong path that scores better is an error of the posterior (no search fixes it), one that scores
 worse an error of the search. ``--rescore NOISE_JSON`` adds these to an earlier run without decoding.
 Outputs: ``noise.json`` (every position record), ``noise.md`` (tables), ``noise.png`` (plot).
+
+Part B keeps its finished prompts in ``--out``/``noise.progress.json`` (rewritten atomically after each
+prompt): an interrupted run loses at most the prompt it was decoding, and the same command continues it
+(the noise draws depend only on the seed, the sigma and the prompt). A run with other options refuses that
+folder rather than mix rows; the file is removed once ``noise.json`` is written.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -41,7 +47,8 @@ import torch
 
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
-from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, run_main
+from benchmarks.cli import (arg, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main,
+                            write_atomic)
 from benchmarks.experiments.margins_table import load_ids
 from sipit.margins import margin_from_states
 from sipit.models import DEFAULT_MODEL, load_model
@@ -49,6 +56,8 @@ from sipit.prior import NextTokenPrior
 from sipit.vocab_table import vocabulary_states
 from sipit.whitebox import WhiteBox
 
+PROGRESS_FILE = "noise.progress.json"
+NOT_RUN_OPTIONS = ("out", "threads", "rescore")  # options that do not change a run's rows
 MIN_PLOTTED = 10  # free-running positions a ratio bin needs before the plot draws it
 RATIO_BINS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, math.inf]
 
@@ -132,16 +141,22 @@ def add_energies(wb, layer, prompts, sigmas, args, rows: list[dict]) -> None:
 
 
 def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tables: dict | None = None,
-              tokenizer=None) -> list[dict]:
+              tokenizer=None, done: list[dict] | None = None, on_prompt=None) -> list[dict]:
     """Part B: free-running decoders, one shared noise draw per (prompt, sigma).
 
     Where part A holds the full-vocabulary table of a (prompt, position) and the decoded prefix is
-    correct, the row also records the exact nearest neighbour of the same observed state."""
+    correct, the row also records the exact nearest neighbour of the same observed state. The rows of
+    ``done`` (whole (sigma, prompt) pairs of an interrupted run) are kept and not decoded again;
+    ``on_prompt(rows)`` is called after each prompt."""
     tables = tables or {}
     rows = []
     for si, sigma in enumerate(sigmas):
         started = time.perf_counter()
         for p, ids in enumerate(prompts):
+            kept = [r for r in done or [] if r["sigma"] == sigma and r["prompt"] == p]
+            if kept:
+                rows.extend(kept)
+                continue
             h = wb.states(ids, layer)
             noise = free_noise(h, sigma, args.seed, si, p)
             for dec in decoders(sigma, args):
@@ -162,6 +177,8 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tab
                                  "exact_nn": exact_nn,
                                  "agrees_exact_nn": rec.token == exact_nn if exact_nn is not None else None,
                                  "seconds": rec.seconds})
+            if on_prompt is not None:
+                on_prompt(rows)
             print(f"  free: sigma={sigma} prompt {p} done ({time.perf_counter() - started:.0f} s)", flush=True)
         print(f"  free: sigma={sigma} done in {time.perf_counter() - started:.0f} s", flush=True)
         if on_sigma is not None:
@@ -357,10 +374,42 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
             out.mkdir(parents=True, exist_ok=True)
             (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
 
-    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables, lm.tokenizer)
+    options = run_options(args)
+    progress = out / PROGRESS_FILE if out is not None else None
+    done = resumed_rows(progress, options)
+    if done:
+        print(f"  resuming from {progress}: {len({(r['sigma'], r['prompt']) for r in done})} (sigma, prompt) "
+              "pairs already decoded", flush=True)
+
+    def checkpoint(rows):
+        if progress is not None:
+            write_atomic(progress, json.dumps({"options": options, "rows": rows}, default=str))
+
+    free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables, lm.tokenizer, done, checkpoint)
     add_energies(wb, layer, prompts, sigmas, args, free_rows)
     summary = summarise(exact_rows, free_rows, sigmas, wb.d)
     return {"meta": meta, "summary": summary, "exact": exact_rows, "free": free_rows, "prompts": prompts}
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """The options that decide a run's rows, as JSON would give them back (a resumed run must match)."""
+    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in NOT_RUN_OPTIONS}, default=str))
+
+
+def resumed_rows(progress: Path | None, options: dict) -> list[dict]:
+    """The decoded rows an interrupted run of the same ``options`` left in ``progress`` (none if absent)."""
+    if progress is None or not progress.exists():
+        return []
+    try:
+        saved = json.loads(progress.read_text())
+        saved_options, rows = saved["options"], saved["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{progress} is not a progress file of this experiment ({err}): remove it to start over") from None
+    differs = sorted(k for k in {**options, **saved_options} if options.get(k) != saved_options.get(k))
+    if differs:
+        raise ValueError(f"{progress.parent} holds an unfinished run with other options ({', '.join(differs)}): "
+                         f"rerun its command to finish it, remove {progress.name} to discard it, or choose another --out")
+    return rows
 
 
 def rescore(path: Path) -> dict:
@@ -420,12 +469,20 @@ def noise_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else default_out_dir("noise")
-    result = rescore(args.rescore) if args.rescore else run(args.model, args.layer, args.sigmas, args, out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "noise.json").write_text(json.dumps(result, indent=1, default=str))
+    with interrupt_once():  # SIGINT or SIGTERM: say what is kept (the progress file) and exit 130
+        try:
+            result = rescore(args.rescore) if args.rescore else run(args.model, args.layer, args.sigmas, args, out)
+        except KeyboardInterrupt:
+            kept = out / PROGRESS_FILE
+            where = f"the finished prompts are in {kept}; the same command continues" if kept.exists() else \
+                "no prompt was finished"
+            print(f"interrupted: {where}", file=sys.stderr, flush=True)
+            return 130
+    write_atomic(out / "noise.json", json.dumps(result, indent=1, default=str))
     md = markdown(result["summary"], result["meta"])
-    (out / "noise.md").write_text(md)
+    write_atomic(out / "noise.md", md)
     plot(result["summary"], out / "noise.png", f"{result['meta']['model']} layer {result['meta']['layer']}")
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
     print(md)
     return 0
 

@@ -48,13 +48,16 @@ def default_out_dir(command_name: str) -> Path:
     return (Path(root).expanduser() if root else REPO_ROOT / "results") / command_name
 
 
-# --------------------------------------------------------------------------- checkers
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and a rename, so an interruption
-    leaves the old file or the new one, never half of one."""
+    leaves the old file or the new one, never half of one. The file gets the mode a plain ``open``
+    would give it (0666 less the umask), not ``mkstemp``'s 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
     try:
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)
@@ -63,6 +66,7 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+# --------------------------------------------------------------------------- checkers
 def usage_error(name: str, problem: str) -> UsageError:
     """The error for option ``name`` (may be empty: argparse names the flag itself) and ``problem``."""
     return UsageError(f"{name} {problem}" if name else problem)

@@ -9,6 +9,7 @@ perplexity). benchmarks.experiments.speed has its own file (tests/test_speed.py)
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -84,6 +85,9 @@ def test_an_interrupted_noise_run_keeps_its_finished_prompts_and_the_same_comman
     assert noise.main(argv(out)) == 0
     assert draws == [2, 0, 1, 2]  # only prompt 2 is decoded again; then every path's energy is scored
     assert not (out / noise.PROGRESS_FILE).exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "noise.json").stat().st_mode & 0o777 == 0o666 & ~umask  # written atomically, mode as open() gives
     resumed = json.loads((out / "noise.json").read_text())["free"]
     assert noise.main(argv(tmp_path / "whole")) == 0
     whole = json.loads((tmp_path / "whole" / "noise.json").read_text())["free"]

@@ -8,7 +8,6 @@
   ImportError) into one line ``<prog>: error: ...`` on stderr with exit code 2 instead of a
   traceback (``SIPIT_TRACEBACK=1`` shows the traceback).
 - :func:`default_out_dir`: where every command writes without ``--out``.
-- :func:`write_atomic`: a text file written whole or not at all (progress files a rerun resumes from).
 - :func:`interrupt_once`: the first SIGINT/SIGTERM interrupts, later ones are ignored while the
   interrupted command cleans up.
 """
@@ -19,7 +18,6 @@ import argparse
 import math
 import os
 import signal
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,24 +44,6 @@ def default_out_dir(command_name: str) -> Path:
     """
     root = os.environ.get(RESULTS_ENV)
     return (Path(root).expanduser() if root else REPO_ROOT / "results") / command_name
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it and a rename, so an interruption
-    leaves the old file or the new one, never half of one. The file gets the mode a plain ``open``
-    would give it (0666 less the umask), not ``mkstemp``'s 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- checkers

@@ -14,11 +14,10 @@ clean one.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
+from sipit.atomic import write_text_atomic
 from sipit.models import cache_dir
 from sipit.vocab_table import weights_fingerprint
 from sipit.whitebox import WhiteBox
@@ -46,12 +45,8 @@ def stored_margin(whitebox: WhiteBox, layer: int, ids: list[int], compute: Calla
         return known[key]
     value = float(compute())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         merged = {**_read(path), key: value}  # entries another process added meanwhile stay
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".json")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(merged, handle)
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(merged))
     except OSError:
         pass  # a read-only cache only costs a recomputation next time
     return value

@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from sipit.atomic import replace_atomically
 from sipit.whitebox import SipitInputError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -73,15 +74,10 @@ def cache_dir() -> Path:
 
 
 def save_to_cache(obj, path: str | Path) -> bool:
-    """``torch.save(obj)`` to ``path`` atomically (a temp file beside it, then a rename): an interrupted
-    save leaves no half file. A read-only cache only costs a rebuild next time (False)."""
-    path = Path(path)
+    """``torch.save(obj)`` to ``path`` atomically (:func:`sipit.atomic.replace_atomically`): an
+    interrupted save leaves no half file. A read-only cache only costs a rebuild next time (False)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
-        os.close(fd)
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: torch.save(obj, tmp))
     except OSError:
         return False
     return True

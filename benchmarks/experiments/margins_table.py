@@ -23,23 +23,11 @@ import torch
 
 from benchmarks.cli import arg, check_int, default_out_dir, run_main
 from benchmarks.experiments.speed import check_layer_spec, named_layers
+from benchmarks.prompts import load_prompts
 from sipit.audit import audit, table
 from sipit.margins import margins, position_margin
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.whitebox import WhiteBox
-
-
-def load_ids(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """benchmarks.prompts.load_prompts when present, else built-in sentences."""
-    try:
-        from benchmarks.prompts import load_prompts
-
-        return load_prompts(tokenizer, n, length=length, seed=seed)
-    except ImportError:
-        texts = ["The cat sat quietly on the warm windowsill while the rain fell outside the old house.",
-                 "In 1905 Albert Einstein published four papers that changed physics for the next century.",
-                 "def add(a, b):\n    return a + b  # a small helper used in the unit tests below"]
-        return [tokenizer(texts[i % len(texts)], add_special_tokens=False).input_ids[:length] for i in range(n)]
 
 
 @torch.no_grad()
@@ -101,12 +89,12 @@ def margins_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     wb = WhiteBox(lm.model)
-    prompts = [p[: args.positions] for p in load_ids(lm.tokenizer, args.n_prompts, args.positions)] if args.positions > 0 else []
+    prompts = [p[: args.positions] for p in load_prompts(lm.tokenizer, args.n_prompts, length=args.positions)] if args.positions > 0 else []
     out = Path(args.out) if args.out is not None else default_out_dir("margins")
     out.mkdir(parents=True, exist_ok=True)
     rows, speeds = [], []
     if args.audit_prompts:
-        audit_prompts = load_ids(lm.tokenizer, args.audit_prompts, args.audit_length)
+        audit_prompts = load_prompts(lm.tokenizer, args.audit_prompts, length=args.audit_length)
         arows = audit(wb, audit_prompts, named_layers(args.audit_layers, wb, "--audit-layers"), pairs=args.audit_pairs, chunk=args.chunk)
         (out / "audit.json").write_text(json.dumps([asdict(r) for r in arows], indent=1))
         (out / "audit.md").write_text(table(args.model, arows))

@@ -47,9 +47,9 @@ import torch
 
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
-from benchmarks.cli import (arg, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main,
-                            write_atomic)
-from benchmarks.experiments.margins_table import load_ids
+from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main
+from benchmarks.prompts import load_prompts
+from sipit.atomic import write_text_atomic
 from sipit.margins import margin_from_states
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
@@ -361,7 +361,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
     wb = WhiteBox(lm.model)
     layer = wb.resolve_layer(layer)
     wb.check_length(args.length, "--length")
-    prompts = load_ids(lm.tokenizer, args.n_prompts, args.length, seed=args.seed)
+    prompts = load_prompts(lm.tokenizer, args.n_prompts, length=args.length, seed=args.seed)
     exact_rows, tables = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws,
                                     args.exact_positions, args.chunk, args.seed)
     deltas = {(r["prompt"], r["position"]): r["delta"] for r in exact_rows}
@@ -383,7 +383,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
 
     def checkpoint(rows):
         if progress is not None:
-            write_atomic(progress, json.dumps({"options": options, "rows": rows}, default=str))
+            write_text_atomic(progress, json.dumps({"options": options, "rows": rows}, default=str))
 
     free_rows = free_part(wb, prompts, layer, sigmas, args, deltas, partial, tables, lm.tokenizer, done, checkpoint)
     add_energies(wb, layer, prompts, sigmas, args, free_rows)
@@ -478,9 +478,9 @@ def noise_command(args: argparse.Namespace) -> int:
                 "no prompt was finished"
             print(f"interrupted: {where}", file=sys.stderr, flush=True)
             return 130
-    write_atomic(out / "noise.json", json.dumps(result, indent=1, default=str))
+    write_text_atomic(out / "noise.json", json.dumps(result, indent=1, default=str))
     md = markdown(result["summary"], result["meta"])
-    write_atomic(out / "noise.md", md)
+    write_text_atomic(out / "noise.md", md)
     plot(result["summary"], out / "noise.png", f"{result['meta']['model']} layer {result['meta']['layer']}")
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     print(md)

@@ -142,13 +142,26 @@ def run_main(parser: argparse.ArgumentParser, command: Callable[[argparse.Namesp
 
 # --------------------------------------------------------------------------- interruptions
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REDELIVER_S = 0.01  # a signal that lands in a finaliser is sent again this much later
+
+
+def _in_finaliser(frame) -> bool:
+    """Whether ``frame`` runs inside a ``__del__`` (the garbage collector can run one between any two
+    bytecodes). An exception raised there never reaches the interrupted code: Python prints it as
+    "Exception ignored in ..." and goes on."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextmanager
 def interrupt_once() -> Iterator[None]:
     """Inside the block the first SIGINT or SIGTERM raises KeyboardInterrupt and every later one is
     ignored until the block ends, so the cleanup that handles the interruption (written inside the
-    block, in an ``except KeyboardInterrupt``) cannot itself be cut short by a second Ctrl-C. After
+    block, in an ``except KeyboardInterrupt``) cannot itself be cut short by a second Ctrl-C. A signal
+    that lands while a finaliser runs is sent again just after it, so it is neither lost nor printed. After
     an interruption they stay ignored (the command is ending); otherwise the old handlers return.
     Outside the main thread (where signals cannot be handled) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
@@ -158,6 +171,11 @@ def interrupt_once() -> Iterator[None]:
     fired = []
 
     def first(signum, frame):
+        if _in_finaliser(frame):  # raised here it would be printed as "Exception ignored" and lost
+            redeliver = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+            redeliver.daemon = True
+            redeliver.start()
+            return
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         fired.append(signum)

@@ -190,3 +190,32 @@ def test_interrupt_once_keeps_later_signals_off_after_an_interruption():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_ctrl_c_that_lands_in_a_finaliser_is_delivered_after_it_and_nothing_is_printed(monkeypatch):
+    """The search's flaky Ctrl-C test: SIGINT landed while the garbage collector ran a ``__del__`` in a
+    worker, so KeyboardInterrupt was printed as "Exception ignored in ..." (a traceback) and swallowed."""
+    import signal
+    import sys
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    ran = []
+
+    class Finalised:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here, inside the finaliser
+            ran.append("finaliser done")
+
+    before = {sig: signal.getsignal(sig) for sig in cli.INTERRUPT_SIGNALS}
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+            with cli.interrupt_once():
+                Finalised()  # dropped at once: __del__ runs now
+                ran.append("after the finaliser")
+                time.sleep(5)  # the redelivered signal interrupts this
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert ran == ["finaliser done", "after the finaliser"] and unraisable == []

@@ -78,6 +78,7 @@ class AttackOptions:
     robust: str = "map"
     beam_width: int = 4
     beam_early_width: int | None = None  # the beam's width at its first positions (MapBeamSearch.early_width)
+    prior_mix: float = 0.0  # MAP's and the beam's prior: (1 - mix) P + mix / V (attacks.robust.mixed_log_prior)
     seed: int = 0
     policy: str = "gradient"  # exact SipIt's candidate order (attacks.policies.POLICIES)
     shortlist: dict | None = None  # CandidateScorer options of the shortlist decoders (nn-*, map, beam)
@@ -112,8 +113,9 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
     "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **_shortlist(o)),
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
-    "map": lambda e, o: MapDecoder(e.sigma, **_shortlist(o)),
-    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, early_width=o.beam_early_width, **_shortlist(o)),
+    "map": lambda e, o: MapDecoder(e.sigma, prior_mix=o.prior_mix, **_shortlist(o)),
+    "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, early_width=o.beam_early_width,
+                                       prior_mix=o.prior_mix, **_shortlist(o)),
     "pooled-beam": _pooled,
     "inverse-head": lambda e, o: InverseHeadAttack(),
 }

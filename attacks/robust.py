@@ -132,23 +132,29 @@ class CandidateScorer:
     ``k_proxy``, the re-ranked pool, doubling only while the nearest so far is still implausible):
     the union of the two shortlists, for noise at which either alone misses the true token often
     (layer 15, sigma 19.3: the learned shortlist at a third of the positions, the surrogate's at 3%).
+    ``k_wide`` (learned rankings): the best hypothesis of a beam (the one that widens) also takes,
+    at once, the top ``k_wide`` of log q + log P and the top ``k_wide`` of the head alone, log q
+    (the prior ranks the tokens of unnatural text, names and numbers far down). At the noise where
+    greedy nearest neighbour is at 50% a wrong token lies inside the chi2 radius, so the doubling
+    rounds stop early; the fixed take is what reaches the truth at head + prior ranks of 64-1,000
+    (benchmarks.experiments.noise, docs/noise.md). Default 0: no such take.
     :meth:`prepare` loads or trains the heads once per (model, layer).
     """
 
     def __init__(self, *, exact: bool = False, k_prior: int = 32, k_grad: int = 32, rounds: int = 1,
                  chunk: int = 1024, extra_rounds: int = 3, alpha: float = 1e-3, exact_positions: int | None = None,
                  ranking: str = "surrogate", n_fit: int = 1536, k_proxy: int = 128, n_rerank: int = 4096,
-                 head_config: HeadConfig | None = None):
+                 k_wide: int = 0, head_config: HeadConfig | None = None):
         if exact_positions is None:
             exact_positions = 1 if "learned" in ranking.split("+") else 2
-        if min(k_prior, rounds, extra_rounds, exact_positions) < 0 or min(k_grad, k_proxy, n_rerank) < 1:
-            raise ValueError("need k_prior, rounds, extra_rounds, exact_positions >= 0 and k_grad, k_proxy, "
+        if min(k_prior, rounds, extra_rounds, exact_positions, k_wide) < 0 or min(k_grad, k_proxy, n_rerank) < 1:
+            raise ValueError("need k_prior, rounds, extra_rounds, exact_positions, k_wide >= 0 and k_grad, k_proxy, "
                              "n_rerank >= 1")
         if ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}")
         self.exact, self.k_prior, self.k_grad, self.rounds, self.chunk = exact, k_prior, k_grad, rounds, chunk
         self.extra_rounds, self.alpha, self.exact_positions, self.ranking = extra_rounds, alpha, exact_positions, ranking
-        self.k_proxy, self.n_rerank = k_proxy, n_rerank
+        self.k_proxy, self.n_rerank, self.k_wide = k_proxy, n_rerank, k_wide
         self.surrogate = LinearSurrogate(n_fit=n_fit, chunk=chunk)
         self._gradient = GradientPolicy()
         self._last_fit: SurrogateFit | None = None  # the latest own fit, lent to beam siblings
@@ -234,10 +240,12 @@ class CandidateScorer:
     def _learned_rounds(self, shortlist: "_Shortlist", prior_logprobs: torch.Tensor | None, sigma: float | None) -> None:
         if self._learned is None or not self._learned.heads:
             raise RuntimeError("CandidateScorer.prepare() must run before a learned ranking scores")
-        scores = self._learned.head_log_probs(shortlist.prefix.length, shortlist.target)
-        if prior_logprobs is not None:
-            scores = scores + prior_logprobs.cpu()
-        self._take(shortlist, torch.argsort(scores, descending=True), sigma)
+        head = self._learned.head_log_probs(shortlist.prefix.length, shortlist.target)
+        scores = head + prior_logprobs.cpu() if prior_logprobs is not None else head
+        order = torch.argsort(scores, descending=True)
+        if sigma is not None and self.k_wide:  # the widening hypothesis: both orders' fixed take
+            shortlist.run(torch.unique(torch.cat([order[: self.k_wide], torch.topk(head, min(self.k_wide, head.numel())).indices])))
+        self._take(shortlist, order, sigma)
 
     def _gradient_rounds(self, shortlist: "_Shortlist", prior_logprobs: torch.Tensor | None, sigma: float | None) -> None:
         ctx = StepContext(shortlist.whitebox, shortlist.prefix, shortlist.target, prior_logprobs, torch.Generator())
@@ -344,6 +352,16 @@ def step_energy(squared: torch.Tensor, sigma: float, log_prior: torch.Tensor | N
     return energy if log_prior is None else energy - log_prior.double()
 
 
+def mixed_log_prior(log_prior: torch.Tensor, mix: float) -> torch.Tensor:
+    """log((1 - mix) P(v | prefix) + mix / V): the model's prior with ``mix`` of its mass spread evenly over
+    the V tokens. A prompt is not always text the model would write (names, numbers, identifiers, random
+    tokens); under the plain prior such a token costs 20-40 nats, under the mixture at most log(V / mix)."""
+    if mix == 0.0:
+        return log_prior
+    uniform = torch.full_like(log_prior, math.log(mix / log_prior.shape[-1]))
+    return torch.logaddexp(log_prior + math.log1p(-mix), uniform)
+
+
 def map_scores(scored: Scored, prior: torch.Tensor | None, sigma: float) -> torch.Tensor:
     """:func:`step_energy` of each scored candidate."""
     log_prior = prior.cpu()[scored.candidates] if prior is not None else None
@@ -380,20 +398,23 @@ class MapBeamSearch:
 
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
-                 early_width: int | None = None, early_positions: int = 2,
+                 early_width: int | None = None, early_positions: int = 2, prior_mix: float = 0.0,
                  progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
         """``scorer``: the candidates scored per position (default: a :class:`CandidateScorer` with
         ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...).
         ``early_width`` (default ``width``): the hypotheses kept after each of the first ``early_positions``
         positions, where the prior knows least and a pruned true token is lost before the later states,
-        which also depend on it, are read (benchmarks.experiments.noise: the search errors at layer 15)."""
+        which also depend on it, are read (benchmarks.experiments.noise: the search errors at layer 15).
+        ``prior_mix``: the prior term scores :func:`mixed_log_prior` (0: the model's own prior)."""
         _check(sigma, alpha, rel_tol)
         early_width = width if early_width is None else early_width
+        if not 0.0 <= prior_mix < 1.0:
+            raise ValueError(f"prior_mix must lie in [0, 1), got {prior_mix}")
         if min(width, early_width) < 1 or early_positions < 0:
             raise ValueError(f"width and early_width must be >= 1 and early_positions >= 0, got {width}, "
                              f"{early_width}, {early_positions}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
-        self.early_width, self.early_positions = early_width, early_positions
+        self.early_width, self.early_positions, self.prior_mix = early_width, early_positions, prior_mix
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
         self.scorer = scorer if scorer is not None else CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         self.backtracks = 0  # of the last call
@@ -408,7 +429,8 @@ class MapBeamSearch:
         surrogate fit; the others rank with the fit it lent (attacks.surrogate)."""
         prior = hyp.prior.logprobs if hyp.prior is not None else None
         scored = self.scorer.score(whitebox, hyp.prefix, target, prior, sigma if widen else None, borrow=not widen)
-        loglik = -map_scores(scored, prior if self.use_prior else None, sigma)
+        scoring_prior = mixed_log_prior(prior, self.prior_mix) if self.use_prior and prior is not None else None
+        loglik = -map_scores(scored, scoring_prior, sigma)
         k = min(self.width_at(len(hyp.tokens)), loglik.numel())
         top = torch.topk(loglik, k).indices
         return [_Pending(-(hyp.score + float(loglik[j])), int(scored.candidates[j]), float(scored.distances[j]),
@@ -431,7 +453,7 @@ class MapBeamSearch:
     def path_energy(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, ids: list[int]) -> float:
         """The energy this search minimises, of one whole path ``ids`` (minus the score it maximises):
         E(x) = sum_t :func:`step_energy` = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the
-        prior term only when the search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path
+        prior term (:func:`mixed_log_prior` with ``prior_mix``) only when the search uses the prior, sigma_t from :func:`effective_sigmas`. A decoded path
         with E no higher than the true path's is an error of the posterior, which no search over this score
         fixes; one with a higher E is an error of the search."""
         layer = whitebox.resolve_layer(layer)
@@ -441,7 +463,8 @@ class MapBeamSearch:
         prior = NextTokenPrior(whitebox.model) if self.use_prior else None
         energy = 0.0
         for t, token in enumerate(ids):
-            log_prior = prior.logprobs[token] if prior is not None and prior.logprobs is not None else None
+            log_prior = (mixed_log_prior(prior.logprobs, self.prior_mix)[token]
+                         if prior is not None and prior.logprobs is not None else None)
             energy += float(step_energy(squared[t], sigmas[t], log_prior))
             if prior is not None:
                 prior.push(token)
@@ -498,10 +521,10 @@ class MapDecoder(MapBeamSearch):
     name = "map"
 
     def __init__(self, sigma: float, *, alpha: float = 1e-3, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False,
-                 progress: bool = False, **shortlist):
+                 prior_mix: float = 0.0, progress: bool = False, **shortlist):
         """``shortlist``: CandidateScorer options (k_prior, ranking, n_fit, k_proxy, chunk, ...)."""
         super().__init__(sigma, width=1, prior=True, backtrack=False, alpha=alpha, rel_tol=rel_tol, exact=exact,
-                         progress=progress, **shortlist)
+                         prior_mix=prior_mix, progress=progress, **shortlist)
 
 
 class NearestNeighbour(MapBeamSearch):

@@ -65,14 +65,16 @@ def check_int(value, *, low: int, name: str = "") -> int:
     return number
 
 
-def check_float(value, *, low: float = 0.0, name: str = "") -> float:
-    """``value`` as a finite float >= ``low`` (a numeric string is accepted); else :class:`UsageError`."""
+def check_float(value, *, low: float = 0.0, below: float = math.inf, name: str = "") -> float:
+    """``value`` as a finite float with ``low <= value < below`` (a numeric string is accepted); else
+    :class:`UsageError`."""
     try:
         number = float(str(value).strip()) if not isinstance(value, bool) else math.nan
     except ValueError:
         number = math.nan
-    if not math.isfinite(number) or number < low:
-        raise usage_error(name, f"must be a finite number >= {low:g}, got {value!r}")
+    if not math.isfinite(number) or number < low or number >= below:
+        bound = f">= {low:g}" + (f" and < {below:g}" if math.isfinite(below) else "")
+        raise usage_error(name, f"must be a finite number {bound}, got {value!r}")
     return number
 
 

@@ -339,3 +339,36 @@ def test_the_union_shortlist_verifies_what_the_learned_one_does_and_the_surrogat
     beam = MapBeamSearch(0.0, width=2, ranking="learned+surrogate", k_prior=4, k_proxy=16, n_fit=64, extra_rounds=1,
                          head_config=SMALL)
     assert beam.invert(h, wb, -1, loaded.tokenizer).ids == p.ids
+
+
+def test_k_wide_gives_the_widening_hypothesis_both_orders_top_k_and_the_others_nothing_more(tiny_llama, one_thread):
+    """CandidateScorer(k_wide=K): the hypothesis that widens (sigma given) verifies the top K of head + prior and
+    of the head alone, which a wrong token inside the noise radius would otherwise cut short; a beam sibling
+    (no sigma) keeps the base shortlist."""
+    from attacks.robust import CandidateScorer
+    from sipit.prior import NextTokenPrior
+
+    loaded, wb = tiny_llama
+    (p,) = prompt_set(loaded.tokenizer, 1, length=8, seed=5)
+    h = wb.states(p.ids, -1)
+    sigma, t, k = float(h.pow(2).mean().sqrt()), 4, 48
+    observed = h[t] + sigma * torch.randn(wb.d, generator=torch.Generator().manual_seed(2))
+    prior = NextTokenPrior(wb.model)
+    for token in p.ids[:t]:
+        prior.push(token)
+    prefix = wb.prefix_cache(p.ids[:t], -1)
+    got = {}
+    for k_wide in (0, k):
+        scorer = CandidateScorer(ranking="learned", k_prior=4, k_proxy=8, extra_rounds=0, k_wide=k_wide,
+                                 head_config=SMALL)
+        scorer.prepare(wb, -1, loaded.tokenizer, sigma=sigma)
+        for widen in (True, False):
+            scored = scorer.score(wb, prefix, observed, prior.logprobs, sigma if widen else None)
+            assert len(set(scored.candidates.tolist())) == scored.candidates.numel()  # each token stepped once
+            got[k_wide, widen] = set(scored.candidates.tolist())
+    head = scorer._learned.head_log_probs(t, observed)
+    both = set(torch.topk(head, k).indices.tolist()) | set(torch.topk(head + prior.logprobs.cpu(), k).indices.tolist())
+    assert both <= got[k, True] and len(got[k, True]) <= 4 + 8 + len(both)
+    assert got[k, False] == got[0, True] == got[0, False]  # siblings and k_wide=0: the base shortlist only
+    with pytest.raises(ValueError, match="k_wide"):
+        CandidateScorer(ranking="learned", k_wide=-1)

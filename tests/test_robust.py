@@ -154,3 +154,40 @@ def test_an_early_width_of_the_whole_vocabulary_makes_the_beam_the_joint_map_of_
     assert wide.invert(observed, wb, -1).ids == best[1]
     assert wide.path_energy(observed, wb, -1, best[1]) == pytest.approx(best[0], rel=1e-5)
     assert greedy.invert(observed, wb, -1).ids != best[1]  # the draw is one where the early width matters
+
+
+def test_the_mixed_prior_is_a_distribution_with_a_floor_and_the_decoders_score_with_it(tiny, monkeypatch):
+    """mixed_log_prior: log((1 - m) P + m / V) sums to one, never falls below log(m / V), is the prior itself at
+    m = 0; MAP with ``prior_mix`` picks argmin d^2 / (2 sigma^2) - that log prior, and path_energy uses it too."""
+    from attacks.robust import effective_sigmas, mixed_log_prior
+    from sipit.prior import NextTokenPrior
+    from sipit.sweep import sweep_distances
+
+    lm, wb = tiny
+    log_prior = NextTokenPrior(wb.model).logprobs.double()
+    mix = 0.2
+    mixed = mixed_log_prior(log_prior, mix)
+    assert float(torch.logsumexp(mixed, 0)) == pytest.approx(0.0, abs=1e-6)  # the prior is float32
+    assert float(mixed.min()) >= math.log(mix / wb.vocab_size) - 1e-12
+    assert torch.all(mixed >= log_prior + math.log(1 - mix) - 1e-12)
+    assert torch.equal(mixed_log_prior(log_prior, 0.0), log_prior)
+
+    (ids,) = sampled_prompts(lm, 1, 1, seed=2)
+    sigma = float(wb.states(ids, -1).pow(2).mean().sqrt())  # noise as large as the state: the prior matters
+    observed = wb.states(ids, -1) + sigma * torch.randn(1, wb.d, generator=torch.Generator().manual_seed(5))
+    (s0,) = effective_sigmas(observed, sigma, 1e-4)
+    squared = sweep_distances(wb, wb.prefix_cache([], -1), observed[0]).double() ** 2 / (2 * s0**2)
+    for m in (0.0, 0.5, 0.99):
+        energy = squared - mixed_log_prior(log_prior, m)
+        decoder = MapDecoder(sigma, exact=True, prior_mix=m)
+        assert decoder.invert(observed, wb, -1).ids == [int(energy.argmin())]
+        assert decoder.path_energy(observed, wb, -1, [5]) == pytest.approx(float(energy[5]), rel=1e-6)
+    # the tiny models' priors are nearly flat, so the argmin above barely depends on m: check the wiring too
+    import attacks.robust as robust
+
+    seen = []
+    monkeypatch.setattr(robust, "mixed_log_prior", lambda lp, m: seen.append(m) or mixed_log_prior(lp, m))
+    MapDecoder(sigma, exact=True, prior_mix=0.3).invert(observed, wb, -1)
+    assert seen and set(seen) == {0.3}
+    with pytest.raises(ValueError, match="prior_mix"):
+        MapBeamSearch(0.1, prior_mix=1.0)

@@ -47,7 +47,7 @@ import torch
 
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
-from benchmarks.cli import arg, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main
+from benchmarks.cli import arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main
 from benchmarks.prompts import load_prompts
 from sipit.atomic import write_text_atomic
 from sipit.margins import margin_from_states
@@ -57,6 +57,7 @@ from sipit.vocab_table import vocabulary_states
 from sipit.whitebox import WhiteBox
 
 PROGRESS_FILE = "noise.progress.json"
+PARTIAL_FILE = "noise.partial.md"  # the summary of the sigmas finished so far, while a run goes on
 NOT_RUN_OPTIONS = ("out", "threads", "rescore")  # options that do not change a run's rows
 MIN_PLOTTED = 10  # free-running positions a ratio bin needs before the plot draws it
 RATIO_BINS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, math.inf]
@@ -108,10 +109,11 @@ DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")  # attacks.registry n
 def decoders(sigma: float, args) -> list:
     """The free-running decoders named in ``args.decoders`` (attacks.registry), all on the same shortlist settings."""
     table = {"exact_positions": args.table_positions} if args.table_positions is not None else {}
-    options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width,
+    options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width, prior_mix=args.prior_mix,
                             max_candidates=args.k_prior + args.rounds * args.k_grad,
                             shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
-                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy, **table))
+                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy, k_wide=args.k_wide,
+                                           **table))
     return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 
@@ -371,8 +373,7 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
 
     def partial(done, rows):  # a run cut short by its time limit still leaves its finished sigmas
         if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "noise.partial.md").write_text(markdown(summarise(exact_rows, rows, done, wb.d), meta))
+            write_text_atomic(out / PARTIAL_FILE, markdown(summarise(exact_rows, rows, done, wb.d), meta))
 
     options = run_options(args)
     progress = out / PROGRESS_FILE if out is not None else None
@@ -452,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranking", default="surrogate", choices=RANKINGS, help="how the shortlist is ranked")
     ap.add_argument("--n-fit", type=count, default=1536, help="tokens the linear surrogate is fitted on")
     ap.add_argument("--k-proxy", type=count, default=128, help="surrogate-ranked tokens verified per round")
+    ap.add_argument("--k-wide", type=arg(check_int, low=0), default=0,
+                    help="learned rankings: the beam's best hypothesis also verifies the top K of head + prior and "
+                         "of the head alone (attacks.robust.CandidateScorer.k_wide)")
+    ap.add_argument("--prior-mix", type=arg(check_float, low=0.0, below=1.0), default=0.0,
+                    help="MAP's and the beam's prior is (1 - MIX) P + MIX / V (attacks.robust.mixed_log_prior)")
     ap.add_argument("--decoders", type=arg(check_names, choices=DECODERS), default=",".join(DECODERS),
                     help=f"comma list of {', '.join(DECODERS)}")
     ap.add_argument("--chunk", type=count, default=1024)
@@ -482,7 +488,8 @@ def noise_command(args: argparse.Namespace) -> int:
     md = markdown(result["summary"], result["meta"])
     write_text_atomic(out / "noise.md", md)
     plot(result["summary"], out / "noise.png", f"{result['meta']['model']} layer {result['meta']['layer']}")
-    (out / PROGRESS_FILE).unlink(missing_ok=True)
+    for leftover in (PROGRESS_FILE, PARTIAL_FILE):  # the finished files replace them
+        (out / leftover).unlink(missing_ok=True)
     print(md)
     return 0
 

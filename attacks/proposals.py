@@ -80,6 +80,7 @@ class HeadConfig:
     seed: int = 0
     windows_per_pass: int = 16  # windows per batched forward pass
     noise: float = 0.0  # Gaussian sigma (absolute, per coordinate) added to the training states
+    corpus_precision: str = "auto"  # forward passes over the corpus: "fp32", "bf16" or "auto" (corpus_precision())
 
 
 @dataclass
@@ -190,13 +191,44 @@ def heldout_mask(n_windows: int, window: int, fraction: float) -> torch.Tensor:
     return mask.repeat_interleave(window)
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 matrix products natively: a CUDA GPU that supports bf16, or a CPU
+    with the avx512_bf16 or amx_bf16 instructions (Linux's /proc/cpuinfo). Elsewhere bf16 is emulated and
+    slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def corpus_precision(whitebox: WhiteBox, config: HeadConfig) -> str:
+    """The precision of the corpus's forward passes: ``config.corpus_precision``, "auto" read as "bf16" where
+    :func:`native_bf16` (3.6x faster at smollm2's last layer on 2 cores of an EPYC with avx512_bf16; states
+    within ~1% of fp32's) and "fp32" elsewhere. The heads only rank candidates: verification stays exact."""
+    if config.corpus_precision not in PRECISIONS:
+        raise ValueError(f"corpus_precision must be one of {PRECISIONS}, got {config.corpus_precision!r}")
+    if config.corpus_precision != "auto":
+        return config.corpus_precision
+    return "bf16" if native_bf16(whitebox.device) else "fp32"
+
+
 @torch.no_grad()
 def layer_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_pass: int,
-                 progress: bool = False) -> torch.Tensor:
-    """Layer-``layer`` states of every window (batched forward passes), ``(sum of lengths, d)``."""
+                 progress: bool = False, precision: str = "fp32") -> torch.Tensor:
+    """Layer-``layer`` states of every window (batched forward passes, under bf16 autocast when
+    ``precision`` is "bf16"), ``(sum of lengths, d)``."""
     groups = [windows[i : i + per_pass] for i in range(0, len(windows), per_pass)]
-    rows = [whitebox.states_batch(torch.tensor(g), layer).reshape(-1, whitebox.d).float().cpu()
-            for g in tqdm(groups, desc=f"inverse-head corpus l={layer}", disable=not progress, leave=False)]
+    with torch.autocast(whitebox.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        rows = [whitebox.states_batch(torch.tensor(g), layer).reshape(-1, whitebox.d).float().cpu()
+                for g in tqdm(groups, desc=f"inverse-head corpus l={layer}", disable=not progress, leave=False)]
     return torch.cat(rows)
 
 
@@ -246,16 +278,20 @@ def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, wi
     fields = asdict(config)
     if not fields["noise"]:
         del fields["noise"]  # clean heads keep the key they had before noise-adapted heads existed
+    fields["corpus_precision"] = corpus_precision(whitebox, config)
+    if fields["corpus_precision"] == "fp32":
+        del fields["corpus_precision"]  # and fp32 ones the key they had before bf16 corpora
     digest = hashlib.blake2b(repr((fields, windows)).encode(), digest_size=8).hexdigest()
     return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-p{slot}-{digest}.pt"
 
 
 def corpus_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_pass: int,
-                  progress: bool = False) -> torch.Tensor:
+                  progress: bool = False, precision: str = "fp32") -> torch.Tensor:
     """:func:`layer_states` of ``windows``, from the disk cache when it holds them (fp16, keyed by
-    weights, layer and the window ids; a damaged or misshapen file is recomputed)."""
+    weights, layer, the window ids and the precision; a damaged or misshapen file is recomputed)."""
     digest = hashlib.blake2b(repr(windows).encode(), digest_size=8).hexdigest()
-    path = cache_dir() / "head-corpus" / f"states-{weights_fingerprint(whitebox)}-l{layer}-{digest}.pt"
+    tag = "" if precision == "fp32" else f"-{precision}"
+    path = cache_dir() / "head-corpus" / f"states-{weights_fingerprint(whitebox)}-l{layer}-{digest}{tag}.pt"
     shape = (sum(len(w) for w in windows), whitebox.d)
     try:
         states = torch.load(path, map_location="cpu", weights_only=True)
@@ -263,7 +299,7 @@ def corpus_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_
             return states.float()
     except Exception:  # noqa: BLE001 - missing or damaged: recomputed below
         pass
-    states = layer_states(whitebox, windows, layer, per_pass, progress).half()  # as a reload would see them
+    states = layer_states(whitebox, windows, layer, per_pass, progress, precision).half()  # as a reload sees them
     save_to_cache(states, path)
     return states.float()
 
@@ -299,12 +335,13 @@ def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[
     started = time.perf_counter()
     layer = whitebox.resolve_layer(layer)
     directions = unit_embeddings(whitebox)
+    precision = corpus_precision(whitebox, config)
     xs, ys, helds = [], [], []
     for windows in (w for w in sources if w):
         length = len(windows[0])
         per_pass = max(config.windows_per_pass, 1024 // length)
         keep = (torch.arange(length) >= slot).repeat(len(windows))
-        xs.append(corpus_states(whitebox, windows, layer, per_pass, progress)[keep])
+        xs.append(corpus_states(whitebox, windows, layer, per_pass, progress, precision)[keep])
         ys.append(torch.tensor(windows).flatten()[keep])
         helds.append(heldout_mask(len(windows), length, config.heldout_fraction)[keep])
     x, y, held = torch.cat(xs), torch.cat(ys), torch.cat(helds)

@@ -372,3 +372,26 @@ def test_k_wide_gives_the_widening_hypothesis_both_orders_top_k_and_the_others_n
     assert got[k, False] == got[0, True] == got[0, False]  # siblings and k_wide=0: the base shortlist only
     with pytest.raises(ValueError, match="k_wide"):
         CandidateScorer(ranking="learned", k_wide=-1)
+
+
+def test_the_corpus_runs_in_bf16_only_where_asked_or_native_and_each_precision_has_its_own_cache(tiny_llama,
+                                                                                                  one_thread, tmp_path):
+    """HeadConfig.corpus_precision: "fp32" and "bf16" as asked, "auto" by native_bf16(); bf16 states stay close
+    to fp32's (they only train a ranking head); the corpus cache never serves one precision's states for the other."""
+    from attacks.proposals import corpus_precision, corpus_states, native_bf16
+
+    loaded, wb = tiny_llama
+    assert corpus_precision(wb, HeadConfig(corpus_precision="fp32")) == "fp32"
+    assert corpus_precision(wb, HeadConfig(corpus_precision="bf16")) == "bf16"
+    assert corpus_precision(wb, HeadConfig()) == ("bf16" if native_bf16(wb.device) else "fp32")
+    with pytest.raises(ValueError, match="corpus_precision"):
+        corpus_precision(wb, HeadConfig(corpus_precision="fp8"))
+    windows = [p.ids for p in prompt_set(loaded.tokenizer, 4, length=16, seed=6)]
+    full = corpus_states(wb, windows, -1, 4, precision="fp32")
+    half = corpus_states(wb, windows, -1, 4, precision="bf16")
+    torch.testing.assert_close(full, torch.cat([wb.states(w, -1) for w in windows]).half().float())
+    assert not torch.equal(full, half)  # computed in bf16, not read from the fp32 cache
+    relative = (half - full).norm(dim=1) / full.norm(dim=1)
+    assert float(relative.median()) < 0.05
+    assert len(list((tmp_path / "head-corpus").iterdir())) == 2
+    assert torch.equal(corpus_states(wb, windows, -1, 4, precision="bf16"), half)  # from its own cache

@@ -199,7 +199,7 @@ def native_bf16(device: torch.device) -> bool:
     with the avx512_bf16 or amx_bf16 instructions (Linux's /proc/cpuinfo). Elsewhere bf16 is emulated and
     slower than fp32."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type != "cpu":
         return False
     try:

@@ -89,7 +89,8 @@ def margins_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     wb = WhiteBox(lm.model)
-    prompts = [p[: args.positions] for p in load_prompts(lm.tokenizer, args.n_prompts, length=args.positions)] if args.positions > 0 else []
+    prompts = ([p[: args.positions] for p in load_prompts(lm.tokenizer, args.n_prompts, length=args.positions)]
+               if args.positions > 0 else [])
     out = Path(args.out) if args.out is not None else default_out_dir("margins")
     out.mkdir(parents=True, exist_ok=True)
     rows, speeds = [], []

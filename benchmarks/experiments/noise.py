@@ -47,7 +47,8 @@ import torch
 
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
-from benchmarks.cli import arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once, run_main
+from benchmarks.cli import (arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once,
+                            run_main)
 from benchmarks.prompts import load_prompts
 from sipit.atomic import write_text_atomic
 from sipit.margins import margin_from_states
@@ -112,8 +113,8 @@ def decoders(sigma: float, args) -> list:
     options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width, prior_mix=args.prior_mix,
                             max_candidates=args.k_prior + args.rounds * args.k_grad,
                             shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
-                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy, k_wide=args.k_wide,
-                                           **table))
+                                           ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy,
+                                           k_wide=args.k_wide, **table))
     return [build(name, Exposure(sigma=sigma, exact=False), options) for name in args.decoders]
 
 

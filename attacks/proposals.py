@@ -42,6 +42,7 @@ is assumed to rank about as well (not measured); it only orders candidates.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -194,6 +195,7 @@ def heldout_mask(n_windows: int, window: int, fraction: float) -> torch.Tensor:
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
+@functools.cache
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 matrix products natively: a CUDA GPU that supports bf16, or a CPU
     with the avx512_bf16 or amx_bf16 instructions (Linux's /proc/cpuinfo). Elsewhere bf16 is emulated and

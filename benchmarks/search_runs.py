@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.tracking import Tracker, check_store, describe_error
+from sipit.atomic import write_text_atomic
 
 PARENT_ATTR = "mlflow_parent_run_id"
 PENDING_ATTR = "mlflow_pending"
@@ -62,12 +63,9 @@ def trial_metrics(user_attrs: dict) -> dict:
 
 def write_trial_file(out_dir: Path, number: int, params: dict, user_attrs: dict) -> Path:
     """``<out>/trials/trial-<n>.json``: the trial's parameters and measurement, beside Optuna's copy."""
-    folder = Path(out_dir) / "trials"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"trial-{number:04d}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"trial": number, "params": params, "user_attrs": user_attrs}, indent=2, default=str))
-    tmp.replace(path)
+    path = Path(out_dir) / "trials" / f"trial-{number:04d}.json"
+    write_text_atomic(path, json.dumps({"trial": number, "params": params, "user_attrs": user_attrs}, indent=2,
+                                       default=str))
     return path
 
 

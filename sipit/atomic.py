@@ -1,7 +1,7 @@
 """Files written whole or not at all: the one place for the temp-file-and-rename pattern.
 
-The cache files (position-0 tables, inverse heads, corpus states), the margin store and the noise
-study's progress and result files go through :func:`replace_atomically`: the content is written to a
+The cache files (position-0 tables, inverse heads, corpus states), the margin store, the noise
+study's progress and result files and the search's trial files go through :func:`replace_atomically`: the content is written to a
 temporary file in the same directory and moved over the target with ``os.replace``, which is atomic
 on POSIX and Windows. An interruption leaves the old file or the new one, never half of one, and the
 temporary file is removed.

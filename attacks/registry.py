@@ -78,6 +78,8 @@ class AttackOptions:
     robust: str = "map"
     beam_width: int = 4
     beam_early_width: int | None = None  # the beam's width at its first positions (MapBeamSearch.early_width)
+    beam_early_positions: int | None = None  # how many positions that is (MapBeamSearch.early_positions)
+    beam_refine_k: int | None = None  # substitutes per position tried on the beam's path (MapBeamSearch.refine)
     prior_mix: float = 0.0  # MAP's and the beam's prior: (1 - mix) P + mix / V (attacks.robust.mixed_log_prior)
     seed: int = 0
     policy: str = "gradient"  # exact SipIt's candidate order (attacks.policies.POLICIES)
@@ -115,7 +117,8 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
     "map": lambda e, o: MapDecoder(e.sigma, prior_mix=o.prior_mix, **_shortlist(o)),
     "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, early_width=o.beam_early_width,
-                                       prior_mix=o.prior_mix, **_shortlist(o)),
+                                       prior_mix=o.prior_mix, **_given(early_positions=o.beam_early_positions,
+                                                                       refine_k=o.beam_refine_k), **_shortlist(o)),
     "pooled-beam": _pooled,
     "inverse-head": lambda e, o: InverseHeadAttack(),
 }

@@ -15,7 +15,9 @@ P(chi^2_d >= d2 / sigma^2) < alpha), the next-best pruned hypotheses for positio
 (``width`` per round, at most ``max_backtracks`` rounds per call) and expanded at t alongside the
 beam; the summed score picks the survivors, so a wrong commit at t-1 is undone while an outlier at
 t itself (every prefix equally bad) leaves the best prefix in place. Backtracking reaches one
-position back. The greedy decoders are this search of width 1 without backtracking (all expose
+position back. With ``refine_k`` the returned path is then refined (:meth:`MapBeamSearch.refine`): single-token
+substitutions, each scored on the whole path, kept while they lower its energy; they read the states after
+the substituted position, which the beam could not read when it pruned. The greedy decoders are this search of width 1 without backtracking (all expose
 ``name`` and ``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
 
 - :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t|| (the prior scores nothing). Candidates:
@@ -57,7 +59,7 @@ from attacks.sipit import verify
 from attacks.surrogate import LinearSurrogate, SurrogateFit
 from sipit.sweep import sweep_distances
 from sipit.vocab_table import vocabulary_states
-from sipit.prior import NextTokenPrior
+from sipit.prior import NextTokenPrior, paths_logprobs
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius, check_rel_tol
 from sipit.whitebox import PrefixCache, SipitInputError, WhiteBox
 
@@ -66,6 +68,8 @@ RANKINGS = ("surrogate", "gradient", "learned", "learned+surrogate")
 # The cheap shortlist for near-exact states (quantised exposure, budgeted search trials): position 0
 # over the full vocabulary, then the prior's top k_prior and k_grad gradient-ranked tokens per round.
 GRADIENT_SHORTLIST = {"ranking": "gradient", "exact_positions": 1}
+PATHS_PER_PASS = 16  # whole paths per forward pass of MapBeamSearch.path_energies (B x T x V log-probs held)
+REFINE_SWEEPS = 4  # MapBeamSearch.refine: passes over the positions at most
 
 
 def chi2_radius(sigma: float, d: int, alpha: float) -> float:
@@ -378,6 +382,7 @@ class _Pending:
     token: int = field(compare=False)
     distance: float = field(compare=False)
     candidates: torch.Tensor = field(compare=False)  # every candidate scored at this position
+    energies: torch.Tensor = field(compare=False)  # their step energies (attacks.robust.step_energy)
     parent: "_Hyp" = field(compare=False)
 
 
@@ -389,6 +394,7 @@ class _Hyp:
     prefix: PrefixCache | None  # cache of tokens[:-1] + tokens[-1] once materialised
     prior: NextTokenPrior | None
     candidates: list[torch.Tensor]  # the candidates scored at each position of the path
+    energies: list[torch.Tensor]  # their step energies
 
 
 class MapBeamSearch:
@@ -401,22 +407,25 @@ class MapBeamSearch:
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
                  early_width: int | None = None, early_positions: int = 2, prior_mix: float = 0.0,
-                 progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
+                 refine_k: int = 0, progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
         """``scorer``: the candidates scored per position (default: a :class:`CandidateScorer` with
         ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...).
         ``early_width`` (default ``width``): the hypotheses kept after each of the first ``early_positions``
         positions, where the prior knows least and a pruned true token is lost before the later states,
         which also depend on it, are read (benchmarks.experiments.noise: the search errors at layer 15).
-        ``prior_mix``: the prior term scores :func:`mixed_log_prior` (0: the model's own prior)."""
+        ``prior_mix``: the prior term scores :func:`mixed_log_prior` (0: the model's own prior).
+        ``refine_k`` > 0: the returned path goes through :meth:`refine` with that many substitutes per position."""
         _check(sigma, alpha, rel_tol)
         early_width = width if early_width is None else early_width
         if not 0.0 <= prior_mix < 1.0:
             raise ValueError(f"prior_mix must lie in [0, 1), got {prior_mix}")
-        if min(width, early_width) < 1 or early_positions < 0:
-            raise ValueError(f"width and early_width must be >= 1 and early_positions >= 0, got {width}, "
-                             f"{early_width}, {early_positions}")
+        if min(width, early_width) < 1 or min(early_positions, refine_k) < 0:
+            raise ValueError(f"width and early_width must be >= 1 and early_positions, refine_k >= 0, got {width}, "
+                             f"{early_width}, {early_positions}, {refine_k}")
         self.sigma, self.width, self.use_prior, self.backtrack, self.alpha = sigma, width, prior, backtrack, alpha
         self.early_width, self.early_positions, self.prior_mix = early_width, early_positions, prior_mix
+        self.refine_k, self.substitutions = refine_k, 0  # substitutions: kept by refine() in the last call
+        self.searched: list[int] = []  # the search's own path of the last call, before refine()
         self.rel_tol, self.max_backtracks, self.progress = rel_tol, max_backtracks, progress
         self.scorer = scorer if scorer is not None else CandidateScorer(exact=exact, alpha=alpha, **shortlist)
         self.backtracks = 0  # of the last call
@@ -436,7 +445,7 @@ class MapBeamSearch:
         k = min(self.width_at(len(hyp.tokens)), loglik.numel())
         top = torch.topk(loglik, k).indices
         return [_Pending(-(hyp.score + float(loglik[j])), int(scored.candidates[j]), float(scored.distances[j]),
-                         scored.candidates, hyp) for j in top.tolist()]
+                         scored.candidates, -loglik, hyp) for j in top.tolist()]
 
     def _materialise(self, p: _Pending, whitebox, radius: float, seconds: float, last: bool) -> _Hyp:
         parent = p.parent
@@ -449,9 +458,8 @@ class MapBeamSearch:
                 prior = parent.prior.fork()
                 prior.push(p.token)
         return _Hyp(parent.tokens + [p.token], parent.records + [record], -p.neg_score, prefix, prior,
-                    parent.candidates + [p.candidates])
+                    parent.candidates + [p.candidates], parent.energies + [p.energies])
 
-    @torch.no_grad()
     def path_energy(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, ids: list[int]) -> float:
         """The energy this search minimises, of one whole path ``ids`` (minus the score it maximises):
         E(x) = sum_t :func:`step_energy` = sum_t ||h_t(x) - h~_t||^2 / (2 sigma_t^2) - log P(x_t | x_<t), the
@@ -461,16 +469,55 @@ class MapBeamSearch:
         layer = whitebox.resolve_layer(layer)
         observed = whitebox.check_states(observed, len(ids))
         sigmas = effective_sigmas(observed, self.sigma, self.rel_tol)
-        squared = (whitebox.states(ids, layer).double() - observed.double()).pow(2).sum(-1)
-        prior = NextTokenPrior(whitebox.model) if self.use_prior else None
-        energy = 0.0
-        for t, token in enumerate(ids):
-            log_prior = (mixed_log_prior(prior.logprobs, self.prior_mix)[token]
-                         if prior is not None and prior.logprobs is not None else None)
-            energy += float(step_energy(squared[t], sigmas[t], log_prior))
-            if prior is not None:
-                prior.push(token)
-        return energy
+        return float(self.path_energies(observed, whitebox, layer, torch.tensor([list(ids)]), sigmas)[0])
+
+    @torch.no_grad()
+    def path_energies(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, paths: torch.Tensor,
+                      sigmas: list[float]) -> torch.Tensor:
+        """:meth:`path_energy` of each row of the ``(B, T)`` id batch ``paths`` (``layer`` resolved, ``sigmas`` the
+        :func:`effective_sigmas` of ``observed``): one forward pass to ``layer`` and one through the whole
+        model (the prior) per :data:`PATHS_PER_PASS` paths, ``(B,)`` float64."""
+        sig = torch.tensor(sigmas, dtype=torch.float64)
+        out = []
+        for chunk in paths.split(PATHS_PER_PASS):
+            squared = (whitebox.states_batch(chunk, layer).double().cpu() - observed.double().cpu()).pow(2).sum(-1)
+            energy = squared / (2 * sig**2)
+            if self.use_prior:  # a NaN row (no start token: no prior at position 0) scores nothing
+                log_prior = mixed_log_prior(paths_logprobs(whitebox.model, chunk), self.prior_mix)
+                taken = log_prior.gather(-1, chunk[..., None].to(log_prior.device))[..., 0]
+                energy = energy - taken.double().cpu().nan_to_num(0.0)
+            out.append(energy.sum(-1))
+        return torch.cat(out)
+
+    def refine(self, path: list[int], energies: list[torch.Tensor], candidates: list[torch.Tensor],
+               observed: torch.Tensor, whitebox: WhiteBox, layer: int, sigmas: list[float]) -> list[int]:
+        """Single-token substitutions of a decoded ``path`` that lower its whole energy E (:meth:`path_energy`).
+
+        Position by position, the ``refine_k`` candidates of least step energy among those the search scored
+        there (``candidates[t]``, ``energies[t]``) replace x_t in turn, every later state and prior term
+        recomputed; the best is kept when it lowers E. Sweeps repeat until one changes nothing (at most
+        :data:`REFINE_SWEEPS`). The beam ranks a token by the states up to its own position; the states after
+        it also depend on it, and this pass reads them (a wrong token the beam kept for want of that evidence).
+        E never rises, so an error of the posterior stays one. ``self.substitutions`` counts the kept changes."""
+        best = float(self.path_energies(observed, whitebox, layer, torch.tensor([path]), sigmas)[0])
+        self.substitutions = 0
+        for _ in range(REFINE_SWEEPS):
+            changed = False
+            for t in range(len(path)):
+                alternatives = candidates[t][torch.argsort(energies[t])[: self.refine_k]]
+                alternatives = alternatives[alternatives != path[t]]
+                if not alternatives.numel():
+                    continue
+                trials = torch.tensor([path]).repeat(alternatives.numel(), 1)
+                trials[:, t] = alternatives
+                energy = self.path_energies(observed, whitebox, layer, trials, sigmas)
+                j = int(energy.argmin())
+                if float(energy[j]) < best:
+                    path, best, changed = trials[j].tolist(), float(energy[j]), True
+                    self.substitutions += 1
+            if not changed:
+                break
+        return path
 
     def invert(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, tokenizer=None,
                length: int | None = None) -> Inversion:
@@ -481,7 +528,7 @@ class MapBeamSearch:
         radii = [chi2_radius(s, whitebox.d, self.alpha) for s in sigmas]
         # The prior also orders the shortlist, so it is streamed even when it does not score.
         root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
-        root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [])
+        root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [], [])
         prepare = getattr(self.scorer, "prepare", None)  # one-time per (model, layer): not timed below
         setup = prepare(whitebox, layer, tokenizer, sigma=self.sigma) if prepare is not None else []
         started = time.perf_counter()
@@ -513,8 +560,15 @@ class MapBeamSearch:
             beams.append([self._materialise(p, whitebox, radii[t], secs, t + 1 == T) for p in took])
             reserve.append(pending)
         best = max(beams[T], key=lambda h: h.score)
-        self.last_candidates = best.candidates
-        return _inversion(best.records, started, whitebox, tokenizer, setup)
+        self.last_candidates, self.searched = best.candidates, best.tokens
+        records = best.records
+        if self.refine_k:
+            path = self.refine(best.tokens, best.energies, best.candidates, observed, whitebox, layer, sigmas)
+            if path != best.tokens:
+                distances = (whitebox.states(path, layer) - observed).norm(dim=-1).tolist()
+                records = [_record(t, token, distance, r.radius, r.candidates_tried, r.seconds)
+                           for t, (token, distance, r) in enumerate(zip(path, distances, records))]
+        return _inversion(records, started, whitebox, tokenizer, setup)
 
 
 class MapDecoder(MapBeamSearch):

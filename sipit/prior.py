@@ -27,13 +27,22 @@ def resolve_start_token(model: PreTrainedModel, start_token: int | None = None) 
 def sequence_logprobs(model: PreTrainedModel, ids: list[int], start_token: int | None = None) -> torch.Tensor:
     """``(T, V)``: row t = log P(. | start, s_1..s_{t-1}) for a known sequence, in one forward pass
     (what :class:`NextTokenPrior` streams); row 0 is NaN when there is no start token."""
+    return paths_logprobs(model, torch.tensor([list(ids)]), start_token)[0]
+
+
+@torch.no_grad()
+def paths_logprobs(model: PreTrainedModel, paths: torch.Tensor, start_token: int | None = None) -> torch.Tensor:
+    """``(B, T, V)``: :func:`sequence_logprobs` of each row of the ``(B, T)`` id batch ``paths``, in one pass."""
     start = resolve_start_token(model, start_token)
     device = model.get_input_embeddings().weight.device
-    context = ([start] if start is not None else []) + list(ids[:-1])
-    out = torch.log_softmax(model(input_ids=torch.tensor([context], device=device)).logits[0].float(), dim=-1)
+    paths = torch.as_tensor(paths, dtype=torch.long, device=device)
+    context = paths[:, :-1] if start is None else torch.cat([torch.full_like(paths[:, :1], start), paths[:, :-1]], 1)
+    out = torch.log_softmax(model(input_ids=context).logits.float(), dim=-1) if context.shape[1] else None
     if start is None:
-        out = torch.cat([torch.full_like(out[:1], float("nan")), out])
-    return out[: len(ids)]
+        vocab = out.shape[-1] if out is not None else model.get_input_embeddings().weight.shape[0]
+        nan = torch.full((paths.shape[0], 1, vocab), float("nan"), device=device)
+        out = nan if out is None else torch.cat([nan, out], 1)
+    return out
 
 
 class NextTokenPrior:

@@ -20,10 +20,18 @@ def test_noise_decoders_exact_at_sigma_zero_and_report_written(tmp_path):
     out = tmp_path / "noise"
     code = noise.main(["--model", "tiny-llama", "--sigmas", "0,1", "--n-prompts", "2", "--length", "3",
                        "--exact-prompts", "1", "--exact-positions", "2", "--draws", "1", "--n-fit", "64",
-                       "--k-proxy", "16", "--k-prior", "8", "--k-grad", "8", "--out", str(out)])
+                       "--k-proxy", "16", "--k-prior", "8", "--k-grad", "8", "--refine-k", "4", "--out", str(out)])
     assert code == 0
     assert {"noise.json", "noise.md", "noise.png"} <= {p.name for p in out.iterdir()}
     result = json.loads((out / "noise.json").read_text())
+    # the refined beam also records its search's own path, and the summary that path's accuracy
+    beam_rows = [r for r in result["free"] if r["decoder"] == "beam"]
+    assert beam_rows and all("searched" in r for r in beam_rows)
+    assert not any("searched" in r for r in result["free"] if r["decoder"] != "beam")
+    for row in result["summary"]["by_sigma"]:
+        rows = [r for r in beam_rows if r["sigma"] == row["sigma"]]
+        assert row["beam_searched"] == pytest.approx(sum(r["searched"] == r["true"] for r in rows) / len(rows))
+    assert "beam before refine" in (out / "noise.md").read_text()
     zero = [r for r in result["free"] if r["sigma"] == 0]
     assert {r["decoder"] for r in zero} == set(noise.DECODERS)
     # the shortlist decoders are exact at sigma = 0; the radius stop is capped at k_prior + k_grad = 16
@@ -160,11 +168,16 @@ def test_defense_report_prices_exposure_noise_by_its_use_not_by_the_served_model
 
 
 def test_noise_options_reach_the_beam_and_its_shortlist():
-    """--early-width and --table-positions set the beam's early width and the positions scored over the whole
-    vocabulary; unset, the beam keeps --width throughout and the ranking's own default."""
+    """--early-width, --early-positions and --table-positions set the beam's early width, how many positions it
+    covers and the positions scored over the whole vocabulary, --refine-k its refinement; unset, the beam keeps
+    --width throughout, the ranking's own default and no refinement."""
     parse = noise.build_parser().parse_args
     (beam,) = noise.decoders(1.0, parse(["--decoders", "beam", "--width", "4", "--early-width", "32",
                                          "--table-positions", "2", "--ranking", "learned+surrogate"]))
     assert [beam.width_at(t) for t in range(4)] == [32, 32, 4, 4] and beam.scorer.exact_positions == 2
     (beam,) = noise.decoders(1.0, parse(["--decoders", "beam", "--width", "4", "--ranking", "learned+surrogate"]))
     assert [beam.width_at(t) for t in range(4)] == [4, 4, 4, 4] and beam.scorer.exact_positions == 1
+    assert beam.refine_k == 0
+    (beam,) = noise.decoders(1.0, parse(["--decoders", "beam", "--width", "4", "--early-width", "32",
+                                         "--early-positions", "3", "--refine-k", "8"]))
+    assert [beam.width_at(t) for t in range(5)] == [32, 32, 32, 4, 4] and beam.refine_k == 8

@@ -191,3 +191,49 @@ def test_the_mixed_prior_is_a_distribution_with_a_floor_and_the_decoders_score_w
     assert seen and set(seen) == {0.3}
     with pytest.raises(ValueError, match="prior_mix"):
         MapBeamSearch(0.1, prior_mix=1.0)
+
+
+def test_refine_substitutes_the_wrong_token_of_a_path_and_never_raises_its_energy(tiny):
+    """A path wrong at one position, refined with every token as a substitute, becomes the true path: the
+    states after the wrong token, which the substitution also changes, are read. The energy only falls."""
+    from attacks.robust import effective_sigmas, map_scores, Scored
+    from sipit.prior import NextTokenPrior
+    from sipit.sweep import sweep_distances
+
+    lm, wb = tiny
+    (ids,) = sampled_prompts(lm, 1, 6, seed=4)
+    sigma = 0.01
+    observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(1))
+    wrong = list(ids)
+    wrong[2] = (ids[2] + 1) % wb.vocab_size
+    sigmas = effective_sigmas(observed, sigma, 1e-4)
+    beam = MapBeamSearch(sigma, refine_k=wb.vocab_size)
+    prior, energies, candidates = NextTokenPrior(wb.model), [], []
+    for t, token in enumerate(wrong):  # the step energies of every token on the wrong path's own prefixes
+        scored = Scored(torch.arange(wb.vocab_size), sweep_distances(wb, wb.prefix_cache(wrong[:t], -1), observed[t]))
+        energies.append(map_scores(scored, prior.logprobs, sigmas[t]))
+        candidates.append(scored.candidates)
+        prior.push(token)
+    refined = beam.refine(wrong, energies, candidates, observed, wb, wb.resolve_layer(-1), sigmas)
+    assert refined == ids and beam.substitutions >= 1
+    assert beam.path_energy(observed, wb, -1, refined) < beam.path_energy(observed, wb, -1, wrong)
+    assert MapBeamSearch(sigma, refine_k=1).refine(ids, energies, candidates, observed, wb,
+                                                   wb.resolve_layer(-1), sigmas) == ids  # the optimum stays
+
+
+def test_a_refined_beam_returns_a_path_no_worse_than_its_search_with_records_of_that_path(tiny):
+    lm, wb = tiny
+    sigma = 0.05
+    for i, ids in enumerate(sampled_prompts(lm, 3, 6, seed=5)):
+        observed = wb.states(ids, -1) + sigma * torch.randn(len(ids), wb.d, generator=torch.Generator().manual_seed(i))
+        plain = MapBeamSearch(sigma, width=2, exact=True)
+        refined = MapBeamSearch(sigma, width=2, exact=True, refine_k=8)
+        a, b = plain.invert(observed, wb, -1), refined.invert(observed, wb, -1)
+        assert a.ids == plain.searched == refined.searched  # the same search; refine only acts after it
+        assert refined.path_energy(observed, wb, -1, b.ids) <= plain.path_energy(observed, wb, -1, a.ids)
+        assert (b.ids != a.ids) == (refined.substitutions > 0)
+        distances = (wb.states(b.ids, -1) - observed).norm(dim=-1)
+        assert [r.token for r in b.positions] == b.ids
+        assert [r.distance for r in b.positions] == pytest.approx(distances.tolist(), rel=1e-5)
+    with pytest.raises(ValueError, match="refine_k"):
+        MapBeamSearch(0.1, refine_k=-1)

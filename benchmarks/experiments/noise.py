@@ -110,7 +110,9 @@ DECODERS = ("nn-shortlist", "nn-heuristic", "map", "beam")  # attacks.registry n
 def decoders(sigma: float, args) -> list:
     """The free-running decoders named in ``args.decoders`` (attacks.registry), all on the same shortlist settings."""
     table = {"exact_positions": args.table_positions} if args.table_positions is not None else {}
-    options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width, prior_mix=args.prior_mix,
+    options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width,
+                            beam_early_positions=args.early_positions, beam_refine_k=args.refine_k,
+                            prior_mix=args.prior_mix,
                             max_candidates=args.k_prior + args.rounds * args.k_grad,
                             shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
                                            ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy,
@@ -165,6 +167,7 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tab
             for dec in decoders(sigma, args):
                 inv = dec.invert(h + noise, wb, layer, tokenizer)  # the learned ranking trains heads on text
                 cands = getattr(dec, "last_candidates", None)
+                searched = dec.searched if getattr(dec, "refine_k", 0) else None  # the beam's path before refine()
                 for t, rec in enumerate(inv.positions):
                     prefix_ok = inv.ids[:t] == ids[:t]
                     delta = deltas.get((p, t))
@@ -179,7 +182,7 @@ def free_part(wb, prompts, layer, sigmas, args, deltas: dict, on_sigma=None, tab
                                  "in_shortlist": bool((cands[t] == ids[t]).any()) if cands and prefix_ok else None,
                                  "exact_nn": exact_nn,
                                  "agrees_exact_nn": rec.token == exact_nn if exact_nn is not None else None,
-                                 "seconds": rec.seconds})
+                                 "seconds": rec.seconds, **({"searched": searched[t]} if searched else {})})
             if on_prompt is not None:
                 on_prompt(rows)
             print(f"  free: sigma={sigma} prompt {p} done ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -205,6 +208,8 @@ def summarise(exact_rows, free_rows, sigmas, d) -> dict:
             row[name + "_exact_prompts"] = _mean(
                 all(r["correct"] for r in rs if r["prompt"] == p) for p in {r["prompt"] for r in rs})
             row.update({f"{name}_{k}": v for k, v in error_sources(rs).items()})
+            if rs and all("searched" in r for r in rs):
+                row[name + "_searched"] = _mean(r["searched"] == r["true"] for r in rs)
             row[name + "_by_position"] = [_mean(r["correct"] for r in rs if r["position"] == t)
                                           for t in range(max((r["position"] + 1 for r in rs), default=0))]
         ex = [r for r in exact_rows if r["sigma"] == sigma]
@@ -282,6 +287,8 @@ def _crossing_line(label: str, c: dict | None, names: list[str]) -> str:
 def markdown(summary, meta) -> str:
     names = summary["decoders"]
     extra = [("beam exact-prompt", "beam_exact_prompts", ".2f")] if "beam" in names else []
+    if all("beam_searched" in r for r in summary["by_sigma"]) and summary["by_sigma"]:
+        extra.append(("beam before refine", "beam_searched", ".3f"))
     extra += [("exact NN (TF)", "nn_exact_tf", ".3f"), ("exact MAP (TF)", "map_exact_tf", ".3f"),
               ("true outside shortlist", "true_outside_shortlist", ".3f"),
               ("greedy = exact NN", "shortlist_nn_agrees_exact", ".3f")]
@@ -447,7 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=arg(check_int, low=0), default=1)
     ap.add_argument("--width", type=count, default=4)
     ap.add_argument("--early-width", type=count, default=None,
-                    help="beam width at the first two positions (default: --width)")
+                    help="beam width at the first --early-positions positions (default: --width)")
+    ap.add_argument("--early-positions", type=arg(check_int, low=0), default=None,
+                    help="how many positions the beam keeps --early-width hypotheses after (default: 2)")
     ap.add_argument("--table-positions", type=arg(check_int, low=0), default=None,
                     help="positions the shortlist decoders' best hypothesis scores over the whole vocabulary "
                          "(default: 1 for the learned rankings, 2 for the others)")
@@ -457,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k-wide", type=arg(check_int, low=0), default=0,
                     help="learned rankings: the beam's best hypothesis also verifies the top K of head + prior and "
                          "of the head alone (attacks.robust.CandidateScorer.k_wide)")
+    ap.add_argument("--refine-k", type=arg(check_int, low=0), default=None,
+                    help="the beam's path then tries the K best-scored candidates of each position as single-token "
+                         "substitutions, kept when they lower the path's energy (attacks.robust.MapBeamSearch.refine; "
+                         "default: none)")
     ap.add_argument("--prior-mix", type=arg(check_float, low=0.0, below=1.0), default=0.0,
                     help="MAP's and the beam's prior is (1 - MIX) P + MIX / V (attacks.robust.mixed_log_prior)")
     ap.add_argument("--decoders", type=arg(check_names, choices=DECODERS), default=",".join(DECODERS),

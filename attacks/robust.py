@@ -15,10 +15,11 @@ P(chi^2_d >= d2 / sigma^2) < alpha), the next-best pruned hypotheses for positio
 (``width`` per round, at most ``max_backtracks`` rounds per call) and expanded at t alongside the
 beam; the summed score picks the survivors, so a wrong commit at t-1 is undone while an outlier at
 t itself (every prefix equally bad) leaves the best prefix in place. Backtracking reaches one
-position back. With ``refine_k`` the returned path is then refined (:meth:`MapBeamSearch.refine`): single-token
-substitutions, each scored on the whole path, kept while they lower its energy; they read the states after
-the substituted position, which the beam could not read when it pruned. The greedy decoders are this search of width 1 without backtracking (all expose
-``name`` and ``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
+position back. With ``refine_k`` the returned path is then refined (:meth:`MapBeamSearch.refine`):
+single-token substitutions, each scored on the whole path, kept while they lower its energy; they read the
+states after the substituted position, which the beam could not read when it pruned. The greedy decoders
+are this search of width 1 without backtracking (all expose ``name`` and
+``invert(observed, whitebox, layer, tokenizer, length=None) -> Inversion``):
 
 - :class:`NearestNeighbour` — argmin_v ||mu_{p_t,v} - h~_t|| (the prior scores nothing). Candidates:
   ``exact``: the whole vocabulary (chunked, :func:`sipit.sweep.sweep_distances`); provably the
@@ -407,7 +408,8 @@ class MapBeamSearch:
     def __init__(self, sigma: float, width: int = 4, prior: bool = True, backtrack: bool = True, alpha: float = 1e-3,
                  *, rel_tol: float = DEFAULT_REL_TOL, exact: bool = False, max_backtracks: int = 8,
                  early_width: int | None = None, early_positions: int = 2, prior_mix: float = 0.0,
-                 refine_k: int = 0, progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None, **shortlist):
+                 refine_k: int = 0, progress: bool = False, scorer: CandidateScorer | RadiusScorer | None = None,
+                 **shortlist):
         """``scorer``: the candidates scored per position (default: a :class:`CandidateScorer` with
         ``exact`` and the ``shortlist`` options k_prior, ranking, n_fit, k_proxy, chunk, ...).
         ``early_width`` (default ``width``): the hypotheses kept after each of the first ``early_positions``

@@ -483,12 +483,11 @@ class MapBeamSearch:
         out = []
         for chunk in paths.split(PATHS_PER_PASS):
             squared = (whitebox.states_batch(chunk, layer).double().cpu() - observed.double().cpu()).pow(2).sum(-1)
-            energy = squared / (2 * sig**2)
+            taken = None
             if self.use_prior:  # a NaN row (no start token: no prior at position 0) scores nothing
                 log_prior = mixed_log_prior(paths_logprobs(whitebox.model, chunk), self.prior_mix)
-                taken = log_prior.gather(-1, chunk[..., None].to(log_prior.device))[..., 0]
-                energy = energy - taken.double().cpu().nan_to_num(0.0)
-            out.append(energy.sum(-1))
+                taken = log_prior.gather(-1, chunk[..., None].to(log_prior.device))[..., 0].cpu().nan_to_num(0.0)
+            out.append(step_energy(squared, sig, taken).sum(-1))
         return torch.cat(out)
 
     def refine(self, path: list[int], energies: list[torch.Tensor], candidates: list[torch.Tensor],

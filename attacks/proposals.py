@@ -27,10 +27,10 @@ are measured on noisy held-out states, so the head ranks tokens for the exposure
 noisy defence publishes (the shortlist of the noise-robust decoders, attacks.robust).
 
 A head is cached in memory by the WhiteBox (``WhiteBox.memo``) and on disk under
-``sipit.models.cache_dir() / "heads"``, keyed by the model's weights (sipit.vocab_table
-.weights_fingerprint), the layer, the configuration and the corpus token ids; an unreadable or
-malformed file is rebuilt. The corpus states (the costly part: a forward pass over the corpus)
-are cached as well (``cache_dir() / "head-corpus"``, fp16, keyed by weights, layer and corpus ids),
+``sipit.cache.cache_dir() / "heads"``, keyed by the model (sipit.cache.model_key), the layer, the
+configuration and the corpus token ids; an unreadable or malformed file is removed with a warning
+and rebuilt. The corpus states (the costly part: a forward pass over the corpus)
+are cached as well (``cache_dir() / "head-corpus"``, fp16, keyed by the model key, layer and corpus ids),
 so further heads of the same layer (other noise levels) cost only their fit.
 
 Noise levels share heads on the grid {1, 1.5, 2, 3, 5, 7} x 10^k (:func:`head_noise`, nearest in
@@ -46,9 +46,8 @@ import functools
 import hashlib
 import json
 import math
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,8 +55,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attacks.corpus import corpus_windows, random_windows
-from sipit.models import cache_dir, save_to_cache
-from sipit.vocab_table import weights_fingerprint
+from sipit import cache
+from sipit.cache import entry_path, model_key
 from sipit.whitebox import WhiteBox
 
 TEMPERATURES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -68,12 +67,12 @@ SLOTS = (1, 2)  # one head for position 1, one for positions >= 2
 class HeadConfig:
     """How an inverse head is trained."""
 
-    n_text: int = 150_000  # tokens of pydoc text
-    n_random: int = 32_768  # tokens of seeded random-token windows
-    n_pairs: int = 16_384  # two-token windows for the position-1 head (text bigrams + random pairs)
+    n_text: int | None = None  # tokens of offline text (None: sized to the vocabulary, :meth:`sized`)
+    n_random: int | None = None  # tokens of seeded random-token windows (None: sized)
+    n_pairs: int | None = None  # two-token windows for the position-1 head (text bigrams + random pairs; None: sized)
     window: int = 64
     epochs: int = 3
-    min_steps: int = 1000  # optimiser steps at least (small corpora take more passes)
+    min_steps: int | None = None  # optimiser steps at least (small corpora take more passes; None: sized)
     batch_size: int = 256
     negatives: int = 4096  # sampled tokens per minibatch (the whole vocabulary when smaller)
     lr: float = 1e-3
@@ -82,6 +81,17 @@ class HeadConfig:
     windows_per_pass: int = 16  # windows per batched forward pass
     noise: float = 0.0  # Gaussian sigma (absolute, per coordinate) added to the training states
     corpus_precision: str = "auto"  # forward passes over the corpus: "fp32", "bf16" or "auto" (corpus_precision())
+
+
+    def sized(self, vocab_size: int) -> "HeadConfig":
+        """This configuration with every size left at None set for a vocabulary of ``vocab_size`` tokens:
+        n_text = min(150,000, 64 V), n_random = min(32,768, 16 V), n_pairs = min(16,384, 8 V) and
+        min_steps = min(1000, V / 2). A head needs examples in proportion to the tokens it must tell apart:
+        a 512-token toy model gets a 33k-token corpus (seconds), smollm2 (V = 49,152) and larger ones the
+        full one."""
+        sizes = {"n_text": min(150_000, 64 * vocab_size), "n_random": min(32_768, 16 * vocab_size),
+                 "n_pairs": min(16_384, 8 * vocab_size), "min_steps": min(1000, vocab_size // 2)}
+        return replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
 
 
 @dataclass
@@ -166,6 +176,7 @@ def training_windows(tokenizer, vocab_size: int, config: HeadConfig, slot: int) 
     state mixes in position 0's very unlike one): two-token windows, half text bigrams at seeded
     offsets of the text, half random pairs.
     """
+    config = config.sized(vocab_size)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     text = [t for w in corpus_windows(tokenizer, config.n_text, config.window) for t in w] if config.n_text else []
     if slot == 1:
@@ -246,6 +257,7 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config:
     softmax (module docstring), fresh noise of ``config.noise`` on every minibatch; every random
     choice is drawn from a generator seeded by ``config.seed``. Gradients are enabled here, so an
     attack may build its heads on first use inside its own ``torch.no_grad()`` decode."""
+    config = config.sized(directions.shape[0])
     generator = torch.Generator().manual_seed(config.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -269,14 +281,33 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config:
     return head
 
 
-def choose_temperature(cosines: torch.Tensor, ids: torch.Tensor) -> float:
-    """The tau of TEMPERATURES with the least mean NLL of ``ids`` under log_softmax(cosines / tau)."""
-    def nll(tau: float) -> float:
-        return float(-torch.log_softmax(cosines / tau, 1).gather(1, ids[:, None]).mean())
-    return min(TEMPERATURES, key=nll)
+SCORED_FLOATS = 1 << 24  # held-out rows x V cosines scored at once (64 MB), whatever the vocabulary
 
 
-def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, windows) -> Path:
+@torch.no_grad()
+def heldout_evaluation(head: InverseHead, x: torch.Tensor, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """(tau, ranks) on held-out states ``x`` (N, d) of tokens ``ids`` (N,): the tau of TEMPERATURES with the
+    least mean NLL of ``ids`` under log_softmax(s(x) / tau), and the rank of each true token under s(x)
+    (:func:`true_ranks`). The (rows, V) cosines are formed :data:`SCORED_FLOATS` at a time, so memory stays
+    bounded for any vocabulary (all rows at once would be N x V floats: 9 GB for V = 262k)."""
+    per_chunk = max(1, SCORED_FLOATS // head.directions.shape[0])
+    nll = torch.zeros(len(TEMPERATURES), dtype=torch.float64)
+    ranks = []
+    for rows, truth in zip(x.split(per_chunk), ids.split(per_chunk)):
+        cosines = head.cosines(rows)
+        true = cosines.gather(1, truth[:, None])
+        ranks.append((cosines > true).sum(1))
+        for i, tau in enumerate(TEMPERATURES):
+            nll[i] += float((torch.logsumexp(cosines / tau, 1) - true[:, 0] / tau).sum())
+    return TEMPERATURES[int(nll.argmin())], torch.cat(ranks)
+
+
+def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, windows) -> Path | None:
+    """The head's cache file: the model key, the layer, the slot and a hash of the configuration and the
+    corpus ids (None: the model has no cache key)."""
+    key = model_key(whitebox)
+    if key is None:
+        return None
     fields = asdict(config)
     if not fields["noise"]:
         del fields["noise"]  # clean heads keep the key they had before noise-adapted heads existed
@@ -284,49 +315,73 @@ def _head_path(whitebox: WhiteBox, layer: int, slot: int, config: HeadConfig, wi
     if fields["corpus_precision"] == "fp32":
         del fields["corpus_precision"]  # and fp32 ones the key they had before bf16 corpora
     digest = hashlib.blake2b(repr((fields, windows)).encode(), digest_size=8).hexdigest()
-    return cache_dir() / "heads" / f"inverse-{weights_fingerprint(whitebox)}-l{layer}-p{slot}-{digest}.pt"
+    return entry_path("heads", f"inverse-{key}-l{layer}-p{slot}-{digest}.pt")
 
 
 def corpus_states(whitebox: WhiteBox, windows: list[list[int]], layer: int, per_pass: int,
                   progress: bool = False, precision: str = "fp32") -> torch.Tensor:
-    """:func:`layer_states` of ``windows``, from the disk cache when it holds them (fp16, keyed by
-    weights, layer, the window ids and the precision; a damaged or misshapen file is recomputed)."""
+    """:func:`layer_states` of ``windows``, from the disk cache when it holds them (fp16, keyed by the model
+    key, layer, the window ids and the precision; a damaged or misshapen file is removed and recomputed)."""
+    key = model_key(whitebox)
     digest = hashlib.blake2b(repr(windows).encode(), digest_size=8).hexdigest()
     tag = "" if precision == "fp32" else f"-{precision}"
-    path = cache_dir() / "head-corpus" / f"states-{weights_fingerprint(whitebox)}-l{layer}-{digest}{tag}.pt"
+    path = None if key is None else entry_path("head-corpus", f"states-{key}-l{layer}-{digest}{tag}.pt")
     shape = (sum(len(w) for w in windows), whitebox.d)
-    try:
-        states = torch.load(path, map_location="cpu", weights_only=True)
-        if tuple(states.shape) == shape and bool(torch.isfinite(states).all()):
-            return states.float()
-    except Exception:  # noqa: BLE001 - missing or damaged: recomputed below
-        pass
+    states = cache.load(path, cache.check_tensor(shape)) if path is not None else None
+    if states is not None:
+        return states.float()
     states = layer_states(whitebox, windows, layer, per_pass, progress, precision).half()  # as a reload sees them
-    save_to_cache(states, path)
+    if path is not None:
+        cache.save(states, path)
     return states.float()
 
 
-def _load_head(path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | None:
-    """The head stored at ``path``; None when missing, unreadable or not of this model's shape."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+def _load_head(path: Path, whitebox: WhiteBox) -> tuple[InverseHead, HeadReport] | None:
+    """The head stored at ``path``; None when missing; a file that is unreadable or not of this model's
+    shape is removed with a warning (sipit.cache.load) and None returned."""
+    built: dict = {}
+
+    def check(data) -> str | None:
         state = data["state"]
         head = InverseHead(state["mean"], state["scale"], unit_embeddings(whitebox), data["temperature"])
         head.load_state_dict(state)  # raises on missing keys or other shapes
-        report = HeadReport(**json.loads(data["report"]))
-    except Exception:  # noqa: BLE001 - a damaged file fails with many types; it is rebuilt
+        if head.mean.shape != (whitebox.d,):
+            return f"a head for d={head.mean.numel()}, the model has d={whitebox.d}"
+        if not all(torch.isfinite(t).all() for t in head.state_dict().values()):
+            return "holds NaN or inf"
+        built["head"], built["report"] = head, HeadReport(**json.loads(data["report"]))
         return None
-    if head.mean.shape != (whitebox.d,) or not all(torch.isfinite(t).all() for t in head.state_dict().values()):
+
+    if cache.load(path, check) is None:
         return None
-    head.eval()
-    return head, report
+    built["head"].eval()
+    return built["head"], built["report"]
 
 
-def _save_head(path, head: InverseHead, report: HeadReport) -> None:
-    save_to_cache({"state": head.state_dict(), "temperature": head.temperature,
-                   "report": json.dumps(report.to_dict())}, path)
+def _save_head(path: Path, head: InverseHead, report: HeadReport) -> None:
+    cache.save({"state": head.state_dict(), "temperature": head.temperature,
+                "report": json.dumps(report.to_dict())}, path)
+
+
+def corpus_examples(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...], first: int,
+                    config: HeadConfig = HeadConfig(), progress: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(states (N, d), tokens (N,), held-out mask (N,)) of the positions >= ``first`` of every window of
+    ``sources`` (one list of equal-length windows per source, e.g. :func:`training_windows`), the states
+    from :func:`corpus_states` (cached) at ``config``'s corpus precision; each source holds out its last
+    ``config.heldout_fraction`` of windows (:func:`heldout_mask`). The one corpus of every learned attack:
+    the inverse heads and the softmax classification head (attacks.head) train on it."""
+    layer = whitebox.resolve_layer(layer)
+    precision = corpus_precision(whitebox, config)
+    xs, ys, helds = [], [], []
+    for windows in (w for w in sources if w):
+        length = len(windows[0])
+        per_pass = max(config.windows_per_pass, 1024 // length)
+        keep = (torch.arange(length) >= first).repeat(len(windows))
+        xs.append(corpus_states(whitebox, windows, layer, per_pass, progress, precision)[keep])
+        ys.append(torch.tensor(windows).flatten()[keep])
+        helds.append(heldout_mask(len(windows), length, config.heldout_fraction)[keep])
+    return torch.cat(xs), torch.cat(ys), torch.cat(helds)
 
 
 def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[int]], ...], slot: int,
@@ -337,22 +392,15 @@ def train_inverse_head(whitebox: WhiteBox, layer: int, sources: tuple[list[list[
     started = time.perf_counter()
     layer = whitebox.resolve_layer(layer)
     directions = unit_embeddings(whitebox)
-    precision = corpus_precision(whitebox, config)
-    xs, ys, helds = [], [], []
-    for windows in (w for w in sources if w):
-        length = len(windows[0])
-        per_pass = max(config.windows_per_pass, 1024 // length)
-        keep = (torch.arange(length) >= slot).repeat(len(windows))
-        xs.append(corpus_states(whitebox, windows, layer, per_pass, progress, precision)[keep])
-        ys.append(torch.tensor(windows).flatten()[keep])
-        helds.append(heldout_mask(len(windows), length, config.heldout_fraction)[keep])
-    x, y, held = torch.cat(xs), torch.cat(ys), torch.cat(helds)
+    x, y, held = corpus_examples(whitebox, layer, sources, slot, config, progress)
     head = fit_head(x[~held], y[~held], directions, config, progress)
     x_held = add_noise(x[held], config.noise, torch.Generator().manual_seed(config.seed + 1))
-    cosines = torch.cat([head.cosines(part) for part in x_held.split(1024)]) if held.any() else head.cosines(x[:1])
-    y_held = y[held] if held.any() else y[:1]
-    head.temperature = choose_temperature(cosines, y_held)
-    ranks = true_ranks(cosines, y_held).float()
+    if not held.any():
+        x_held, y_held = x[:1], y[:1]
+    else:
+        y_held = y[held]
+    head.temperature, ranks = heldout_evaluation(head, x_held, y_held)
+    ranks = ranks.float()
     report = HeadReport(layer=layer, slot=slot, n_train=int((~held).sum()), n_heldout=int(held.sum()),
                         top1=float((ranks < 1).float().mean()), top16=float((ranks < 16).float().mean()),
                         median_rank=float(ranks.median()), temperature=head.temperature,
@@ -367,19 +415,20 @@ def inverse_head(whitebox: WhiteBox, tokenizer, layer: int, config: HeadConfig =
     if slot not in SLOTS:
         raise ValueError(f"slot must be one of {SLOTS}, got {slot}")
     layer = whitebox.resolve_layer(layer)
+    config = config.sized(whitebox.vocab_size)
     key = ("inverse-head", layer, slot, config)
     if key in whitebox.memo:
         return whitebox.memo[key]
     started = time.perf_counter()
     sources = training_windows(tokenizer, whitebox.vocab_size, config, slot)
-    path = _head_path(whitebox, layer, slot, config, sources)
-    loaded = _load_head(path, whitebox) if use_disk else None
+    path = _head_path(whitebox, layer, slot, config, sources) if use_disk else None
+    loaded = _load_head(path, whitebox) if path is not None else None
     if loaded is not None:
         head, report = loaded
         report.seconds, report.cached = time.perf_counter() - started, True
     else:
         head, report = train_inverse_head(whitebox, layer, sources, slot, config, progress)
-        if use_disk:
+        if path is not None:
             _save_head(path, head, report)
     whitebox.memo[key] = (head, report)
     return head, report

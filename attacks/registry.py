@@ -24,8 +24,8 @@ the exposure (:func:`strongest`):
     inexact states, sigma 0      -> "nn-gradient": nearest neighbour on the cheap gradient shortlist
                                     (prior top-k + one gradient round): the naive attacker of stored
                                     activations, who does not know their format's error
-    exact states                 -> "sipit-exact"   (SipIt, ``options.policy`` order: gradient + prior by
-                                                     default, or the learned proposals)
+    exact states                 -> "sipit-exact"   (SipIt, ``options.policy`` order: the learned proposals
+                                                     by default, or gradient + prior)
 
 With ``options.policy == "learned"`` the shortlist decoders (map, beam, nn-shortlist) rank their
 shortlist with the inverse heads adapted to the exposure's sigma plus the model's prior.
@@ -82,7 +82,7 @@ class AttackOptions:
     beam_refine_k: int | None = None  # substitutes per position tried on the beam's path (MapBeamSearch.refine)
     prior_mix: float = 0.0  # MAP's and the beam's prior: (1 - mix) P + mix / V (attacks.robust.mixed_log_prior)
     seed: int = 0
-    policy: str = "gradient"  # exact SipIt's candidate order (attacks.policies.POLICIES)
+    policy: str = "learned"  # exact SipIt's candidate order (attacks.policies.POLICIES), as the CLI's default
     shortlist: dict | None = None  # CandidateScorer options of the shortlist decoders (nn-*, map, beam)
     max_candidates: int | None = None  # the radius stop's cap (nn-heuristic)
     pooled_beam: int | None = None

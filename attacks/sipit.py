@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from attacks.policies import CandidatePolicy, GradientPolicy, StepContext
+from attacks.policies import CandidatePolicy, LearnedPolicy, StepContext
 from attacks.result import Inversion, PositionRecord
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import DEFAULT_REL_TOL, acceptance_radius
@@ -53,7 +53,7 @@ class SipIt:
     ):
         if rel_tol <= 0:
             raise ValueError(f"rel_tol must be positive, got {rel_tol}")
-        self.policy = policy if policy is not None else GradientPolicy()
+        self.policy = policy if policy is not None else LearnedPolicy()
         batch_size = self.policy.first_batch if batch_size is None else batch_size
         if batch_size < 1 or max_batch < batch_size:
             raise ValueError("need 1 <= batch_size <= max_batch")

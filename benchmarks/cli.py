@@ -6,7 +6,8 @@
   them into an argparse ``type=`` function, so a flag and the keyword it feeds share one rule.
 - :func:`run_main`: parse, run the command, and turn a bad-input error (ValueError, OSError,
   ImportError) into one line ``<prog>: error: ...`` on stderr with exit code 2 instead of a
-  traceback (``SIPIT_TRACEBACK=1`` shows the traceback).
+  traceback (``SIPIT_TRACEBACK=1`` shows the traceback); Ctrl-C a command does not handle itself
+  exits 130 with one line (and while a command starts: benchmarks.startup).
 - :func:`default_out_dir`: where every command writes without ``--out``.
 - :func:`interrupt_once`: the first SIGINT/SIGTERM interrupts, later ones are ignored while the
   interrupted command cleans up.
@@ -18,11 +19,14 @@ import argparse
 import math
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
+from benchmarks.startup import end_startup
+from sipit.cache import cache_dir
 from sipit.whitebox import SipitInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -134,12 +138,19 @@ def run_main(parser: argparse.ArgumentParser, command: Callable[[argparse.Namesp
     for every bad value it refuses). ``SIPIT_TRACEBACK=1`` re-raises to show the traceback.
     """
     args = parser.parse_args(argv)
+    end_startup()
     try:
+        cache_dir()  # a bad $SIPIT_CACHE_DIR is one line now, not an error in the middle of the work
         return command(args)
     except USER_ERRORS as err:
         if os.environ.get("SIPIT_TRACEBACK"):
             raise
         parser.exit(2, f"{parser.prog}: error: {one_line(err)}\n")
+    except KeyboardInterrupt:  # a command without cleanup of its own to report
+        if os.environ.get("SIPIT_TRACEBACK"):
+            raise
+        print(f"\n{parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 # --------------------------------------------------------------------------- interruptions

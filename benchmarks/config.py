@@ -27,7 +27,7 @@ from attacks.registry import ROBUST, RUN_ATTACKS, AttackOptions
 from benchmarks.cli import UsageError, check_float, check_int, check_names
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
-MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 64, "head_epochs": 1, "beam_width": 1,
+MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 0, "head_epochs": 1, "beam_width": 1,
             "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0}
 #: legacy defence flags (keyword names of run_benchmark) -> how each maps onto defence parameters
 LEGACY_FLAGS = ("sigma", "sigma_rel", "placement", "quant", "quant_activations", "tie_groups", "tie_rare", "pool",
@@ -56,6 +56,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise UsageError(f"--defense {spec!r}: parameter {item!r} is not key=value")
+        if key.strip() in params:
+            raise UsageError(f"--defense {spec!r}: parameter {key.strip()!r} is given twice")
         params[key.strip()] = _value(value.strip())
     return name.strip(), params
 
@@ -107,8 +109,8 @@ class RunConfig:
     n_prompts: int = 20
     length: int = 20
     seed: int = 0
-    head_tokens: int = 4096
-    head_epochs: int = 40
+    head_tokens: int = 0  # the softmax head's corpus: 0 = the inverse heads' whole corpus; N = its first N text tokens
+    head_epochs: int = 3
     margin_positions: int = 6
     utility_tokens: int = 1024
     experiment: str = "sipit-bench"

@@ -9,6 +9,11 @@ tried and distance, and the time. Negative L counts from the last layer (default
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import sys
 

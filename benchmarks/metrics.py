@@ -257,6 +257,50 @@ def summarise(attack: str, truths: list[list[int]], inversions: list,
     )
 
 
+def overlap_with(windows: list[list[int]], prompts: list[list[int]], n: int = 8) -> float:
+    """Fraction of the prompts' token n-grams that also occur in the corpus ``windows``."""
+    corpus = {tuple(w[i : i + n]) for w in windows for i in range(len(w) - n + 1)}
+    grams = [tuple(p[i : i + n]) for p in prompts for i in range(len(p) - n + 1)]
+    return sum(g in corpus for g in grams) / len(grams) if grams else 0.0
+
+
+def noise_summary(sigmas: list[float], state_rms: list[float], noise_norms: list[list[float | None]],
+                  positions: list[list[int]], deltas: list[float]) -> dict:
+    """What the exposure's noise is, in the three units a reader needs: sigma absolute per coordinate, as a
+    multiple of the state RMS, and ||n_t|| / (Delta_t / 2) at the positions whose margin was measured
+    (medians over prompts / positions), with a verdict: where ||n_t|| < Delta_t / 2 nearest-neighbour
+    decoding provably returns the true token (docs/theory.md, "Margin and noise")."""
+    rel = [s / r for s, r in zip(sigmas, state_rms) if r > 0]
+    ratios = [noise_norms[i][t] / (d / 2) for (i, t), d in zip(positions, deltas)
+              if d and noise_norms[i][t] is not None]
+    below = sum(r < 1 for r in ratios)
+    if not any(sigmas):
+        verdict = "no noise"
+    elif not ratios:
+        verdict = "no margin measured: no guarantee either way"
+    elif below == len(ratios):
+        verdict = (f"far below the margin: ||n|| < Delta/2 at all {len(ratios)} measured positions (largest ratio "
+                   f"{max(ratios):.3g}): recovery is guaranteed there, the noise is no defence")
+    elif below:
+        verdict = (f"below the margin at {below} of {len(ratios)} measured positions (recovery guaranteed there only), "
+                   f"above it at the rest")
+    else:
+        verdict = (f"above the margin at all {len(ratios)} measured positions (median ratio {median(ratios):.3g}): "
+                   "no guarantee; what the decoders recover is the measure")
+    return {"sigma_abs_median": median(sigmas), "sigma_rms_multiple_median": median(rel),
+            "ratio_to_half_delta_median": median(ratios), "ratio_to_half_delta_max": max(ratios, default=float("nan")),
+            "n_ratio_positions": len(ratios), "n_below_half_delta": below, "verdict": verdict}
+
+
+def describe_noise(summary: dict) -> str:
+    """One line of :func:`noise_summary` for the console and the report."""
+    if summary["verdict"] == "no noise":
+        return "noise: none in the exposure"
+    return (f"noise: sigma {summary['sigma_abs_median']:.4g} absolute per coordinate = "
+            f"{summary['sigma_rms_multiple_median']:.4g} x the state RMS (medians over prompts); "
+            f"median ||n|| / (Delta/2) = {summary['ratio_to_half_delta_median']:.3g}: {summary['verdict']}")
+
+
 def median(values) -> float:
     values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return statistics.median(values) if values else float("nan")

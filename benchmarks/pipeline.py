@@ -20,7 +20,7 @@ the head trained against it are the same in both:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -43,6 +43,7 @@ class Exposed:
     sigmas: list[float]  # absolute noise sigma per prompt (0: none)
     exact: list[bool]  # exposed states equal the attacker's own, bit for bit
     noise_norms: list[list[float | None]]  # ||h~_t - mu_t|| per position (None: pooled)
+    state_rms: list[float]  # RMS of the served model's layer-l states, per prompt (the unit of a relative sigma)
     served_shape: bool = False  # verify candidates at the served shape (the attacker holds shape-dependent weights)
     knows_defense: bool = True  # False: the naive attacker (original weights, no noise sigma or format error)
 
@@ -79,12 +80,13 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
     served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
     attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model, proposals_from=clean_wb)
     generator = torch.Generator().manual_seed(seed)
-    states, sigmas, exact, norms = [], [], [], []
+    states, sigmas, exact, norms, state_rms = [], [], [], [], []
     for ids in tqdm(prompt_ids, desc="expose states", disable=not progress, leave=False):
         h_served = served_wb.states(ids, layer)
         exposed = chain.expose(h_served, generator)
         states.append(exposed)
         sigmas.append(float(chain.noise_sigma(h_served)))
+        state_rms.append(float(h_served.float().pow(2).mean().sqrt()))
         if chain.per_position:
             h_true = attacker_wb.states(ids, layer)  # mu_{p_t, s_t} as the attacker computes it
             norms.append((exposed.float() - h_true.float()).norm(dim=-1).tolist())
@@ -93,8 +95,8 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
             norms.append([None] * len(ids))
             exact.append(False)
     served_shape = chain.served_shape_matters and attacker.model is served.model  # it holds the served weights
-    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, served_shape,
-                   knows_defense)
+    return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, state_rms,
+                   served_shape, knows_defense)
 
 
 def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):
@@ -137,17 +139,22 @@ def train_softmax_head(exposed: Exposed, variant: str, *, n_tokens: int, epochs:
                        progress: bool = False):
     """(head, report, corpus) of the softmax head trained on the attacker model's corpus states.
 
-    ``variant="adaptive"`` passes every training batch through the defence's exposure
-    (:func:`exposure_fn`); ``"clean"`` trains on the states as they are.
+    The corpus is the inverse heads' (attacks.proposals.corpus_examples: text and random-token windows,
+    states shared with them through the cache); ``n_tokens`` > 0 keeps only its first ``n_tokens`` text
+    tokens instead (the small-corpus ablation). ``variant="adaptive"`` passes every training batch through
+    the defence's exposure (:func:`exposure_fn`); ``"clean"`` trains on the states as they are. ``corpus``
+    says what the head was trained on: ``{"n_tokens", "ablation", "windows"}`` (windows: the token ids).
     """
     from attacks.head import train_head
-    from benchmarks.corpus import corpus_states
+    from attacks.proposals import HeadConfig, corpus_examples, training_windows
 
     wb = exposed.attacker_wb
-    corpus = corpus_states(exposed.attacker, wb, exposed.layer, n_tokens=n_tokens, progress=progress)
-    head, report = train_head(corpus.states, corpus.ids, vocab_size=wb.vocab_size, windows=corpus.windows,
-                              epochs=epochs, seed=seed, variant=variant,
+    config = HeadConfig() if not n_tokens else replace(HeadConfig(), n_text=n_tokens, n_random=0)
+    sources = training_windows(exposed.attacker.tokenizer, wb.vocab_size, config, slot=2)
+    x, y, held = corpus_examples(wb, exposed.layer, sources, 0, config, progress)
+    head, report = train_head(x, y, held, vocab_size=wb.vocab_size, epochs=epochs, seed=seed, variant=variant,
                               augment=exposure_fn(exposed.chain) if variant == "adaptive" else None, progress=progress)
+    corpus = {"n_tokens": int(y.numel()), "ablation": bool(n_tokens), "windows": [w for src in sources for w in src]}
     return head, report, corpus
 
 

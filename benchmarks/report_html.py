@@ -15,6 +15,7 @@ import base64
 import html
 from pathlib import Path
 
+from benchmarks.metrics import describe_noise
 from benchmarks.run_outputs import use_lines
 
 STYLE = """
@@ -121,6 +122,7 @@ def render(results: dict, rows: list[dict], images: list[Path]) -> str:
         f"<h1>{html.escape(title)}</h1>",
         f"<p>status: {html.escape(str(results.get('status')))}; defence: "
         f"{html.escape(str((results.get('defense') or {}).get('describe', '')))}</p>",
+        f"<p>{html.escape(describe_noise(results['noise']))}</p>" if results.get("noise") else "",
         "<h2>Attacks</h2>", attack_table(results.get("attacks", {})), utility,
         "<h2>What leaked, prompt by prompt</h2>",
         '<p><span class="tok ok">recovered</span> <span class="tok wrong">wrong</span> '

@@ -47,6 +47,11 @@ about a second); ``gradient`` skips every learned part.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import sys
@@ -59,6 +64,7 @@ from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, 
 from benchmarks.config import MINIMUMS, RunConfig, sweep_configs
 from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
 from benchmarks.cli import UsageError, arg, check_floats, check_int, default_out_dir, interrupt_once, run_main
+from benchmarks.out_dir import claim
 
 DEFAULTS = RunConfig()
 
@@ -80,55 +86,81 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
     written (``status: interrupted``) and the MLflow runs are marked FAILED; then
     :class:`RunInterrupted` (a KeyboardInterrupt) propagates, saying what the cleanup did.
     """
-    from benchmarks import tracking as tracking_mod
-    from benchmarks.prompts import named_prompt_set
-    from defenses.base import DefenseParamError
-    from sipit.models import load_model
-    from sipit.whitebox import SipitInputError, WhiteBox
-
     started = time.perf_counter()
     if config is None:
         config = RunConfig.from_options(**options)
     elif options:
         raise BenchmarkUsageError(f"give either a RunConfig or options, not both (got {sorted(options)})")
     config.validate()  # cheap checks first
-    c = config
-    chain, defense_names, seeds = c.chain(), c.defense_names(), c.seeds
-    model, layer, length, prompts = c.model, c.layer, c.length, c.prompts
-    recorded, chash = c.record(), c.hash()
-    # ---------------------------------------------------------------- model, layer, prompts
+    loaded, clean_wb = load_for(config)
+    layer, prompt_set = check_against_model(config, loaded, clean_wb)
+    out = claim(Path(config.out) if config.out is not None else default_out_dir(f"run-{config.hash()}"))
     try:
-        loaded = load_model(model)
+        return _run_claimed(config, out, loaded, clean_wb, layer, prompt_set, progress=progress, log=log,
+                            parent_run=parent_run, started=started)
+    finally:
+        out.release()
+
+
+def load_for(config: RunConfig):
+    """(LoadedModel, WhiteBox) of ``config.model``; a model that cannot be loaded is a UsageError naming --model."""
+    from sipit.models import load_model
+    from sipit.whitebox import WhiteBox
+
+    try:
+        loaded = load_model(config.model)
     except (ValueError, OSError, ModuleNotFoundError) as err:
-        raise BenchmarkUsageError(f"--model {model!r}: {err}") from None
-    clean_wb = WhiteBox(loaded.model)
+        raise BenchmarkUsageError(f"--model {config.model!r}: {err}") from None
+    return loaded, WhiteBox(loaded.model)
+
+
+def check_against_model(config: RunConfig, loaded, clean_wb) -> tuple[int, list]:
+    """The checks that need the model, before anything is written: the layer, the length, the defence's
+    parameters (e.g. more tying groups than tokens, a pooling group that does not divide d, noise too large
+    for float32), the utility text and the prompts. Returns (resolved layer, prompt set); UsageError names
+    the flag."""
+    from benchmarks.prompts import named_prompt_set
+    from defenses.base import DefenseParamError
+    from sipit.whitebox import SipitInputError
+
+    c = config
     try:
-        layer_r = clean_wb.resolve_layer(layer)
+        layer = clean_wb.resolve_layer(c.layer)
     except SipitInputError as err:
         raise BenchmarkUsageError(f"--layer: {err}") from None
     try:
-        clean_wb.check_length(length, "--length")
+        clean_wb.check_length(c.length, "--length")
     except SipitInputError as err:
         raise BenchmarkUsageError(str(err)) from None
     try:
-        chain.check_model(loaded)
+        c.chain().check_model(loaded)
     except DefenseParamError as err:
-        raise BenchmarkUsageError(f"--defense {','.join(defense_names)}: {err}") from None
+        raise BenchmarkUsageError(f"--defense {' '.join(c.defenses)}: {err}") from None
+    if c.utility_tokens:
+        from defenses.utility import held_out_ids
+
+        try:
+            held_out_ids(loaded.tokenizer, c.utility_tokens, c.seeds["utility"])
+        except ValueError as err:
+            raise BenchmarkUsageError(f"--utility-tokens {c.utility_tokens}: {err}") from None
     try:
-        prompt_set = named_prompt_set(prompts, loaded.tokenizer, c.n_prompts, length=length, seed=seeds["prompts"])
+        prompt_set = named_prompt_set(c.prompts, loaded.tokenizer, c.n_prompts, length=c.length,
+                                      seed=c.seeds["prompts"])
     except ValueError as err:
-        raise BenchmarkUsageError(f"--prompts {prompts!r}: {err}") from None
+        raise BenchmarkUsageError(f"--prompts {c.prompts!r}: {err}") from None
     prompt_set = [p for p in prompt_set if p.ids]
     if not prompt_set:
-        raise BenchmarkUsageError(f"--prompts {prompts!r}: no prompt has any token")
+        raise BenchmarkUsageError(f"--prompts {c.prompts!r}: no prompt has any token")
+    return layer, prompt_set
 
-    # ---------------------------------------------------------------- output folder
-    out_dir = Path(c.out) if c.out is not None else default_out_dir(f"run-{chash}")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise BenchmarkUsageError(f"--out {str(out_dir)!r} cannot be created: {err}") from None
 
+def _run_claimed(c: RunConfig, out, loaded, clean_wb, layer_r: int, prompt_set, *, progress: bool, log,
+                 parent_run: str | None, started: float) -> dict:
+    """The run of :func:`run_benchmark` once its results folder ``out`` (benchmarks.out_dir) is claimed."""
+    from benchmarks import tracking as tracking_mod
+
+    chain, defense_names, seeds = c.chain(), c.defense_names(), c.seeds
+    recorded, chash, out_dir = c.record(), c.hash(), out.path
     # ---------------------------------------------------------------- tracking store
     tracker, tracking_error = None, None
     if c.track:
@@ -137,9 +169,15 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
         except tracking_mod.TrackingError as err:
             tracking_error = str(err)
             log(f"error: {err}\n  -> continuing without MLflow; results are still written to {out_dir}", file=sys.stderr)
+    orphan = out.previous.get("mlflow_run")
+    if tracker is not None and orphan and out.previous.get("tracking_uri") == tracker.uri:
+        closed = tracker.close_orphan(orphan, f"killed: closed by the next run in {out_dir} "
+                                              f"(the run of pid {out.previous.get('pid')} ended without closing it)")
+        if closed:
+            log(f"[run] closed {closed} MLflow run(s) left RUNNING by a killed run in {out_dir}", file=sys.stderr)
 
     title = (f"{loaded.name} layer {layer_r}/{clean_wb.n_layers} | defence {','.join(defense_names)} "
-             f"{json.dumps(chain.params(), default=str)} | {len(prompt_set)} prompts x {length} tokens")
+             f"{json.dumps(chain.params(), default=str)} | {len(prompt_set)} prompts x {c.length} tokens")
     results: dict = {
         "status": "running", "title": title, "config": recorded, "config_hash": chash, "seeds": seeds,
         "git_commit": tracking_mod.git_commit(), "packages": tracking_mod.package_versions(),
@@ -156,6 +194,8 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
         try:
             tracker = _start_parent(tracker, results, defense_names, chash, loaded.name, log, parent_run,
                                     prompt_set=prompt_set, tokenizer=loaded.tokenizer)
+            if tracker is not None:
+                out.note(mlflow_run=tracker.parent_id, tracking_uri=tracker.uri)
             _run(state, tracker, c, loaded, clean_wb, layer_r, chain, prompt_set, progress=progress, log=log)
             results["status"] = "finished"
             results["seconds"] = time.perf_counter() - started
@@ -247,7 +287,7 @@ def _close(state: RunState, tracker, out_dir: Path, status: str, started: float)
 
 def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: int, chain, prompt_set, *, progress, log):
     """expose -> margins -> utility -> attacks (benchmarks.pipeline), recorded into ``state`` and MLflow."""
-    from benchmarks.metrics import defence_leakage, median
+    from benchmarks.metrics import defence_leakage, describe_noise, median, noise_summary
     from benchmarks.pipeline import expose, margins_on_subset
 
     results = state.results
@@ -258,16 +298,14 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     results["defense"]["sigma_abs_median"] = median(exposed.sigmas)
     results["defense"]["exposure_exact"] = all(exposed.exact)
     results["margins"] = margins_on_subset(exposed, config.margin_positions, seeds["margin_positions"], progress=progress)
+    m = results["margins"]
+    results["noise"] = noise_summary(exposed.sigmas, exposed.state_rms, exposed.noise_norms, m["positions"], m["deltas"])
+    log(f"[run] {describe_noise(results['noise'])}", file=sys.stderr)
     if utility_tokens:
-        from defenses.utility import held_out_ids, utility_cost
+        from defenses.utility import utility_cost
 
-        try:
-            held_out_ids(loaded.tokenizer, utility_tokens, seeds["utility"])
-            n_util = utility_tokens
-        except ValueError:
-            n_util = 512
-        log(f"[run] utility cost of the defence on {n_util} held-out tokens", file=sys.stderr)
-        results["utility"] = utility_cost(loaded, chain, layer, n_tokens=n_util, seed=seeds["utility"]).to_dict()
+        log(f"[run] utility cost of the defence on {utility_tokens} held-out tokens", file=sys.stderr)
+        results["utility"] = utility_cost(loaded, chain, layer, n_tokens=utility_tokens, seed=seeds["utility"]).to_dict()
     if tracker is not None:
         tracker.log_metrics(tracker.parent_id, flat_metrics(results))
     plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
@@ -306,8 +344,7 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
             seeds: dict, tokenizer, *, head_tokens: int, head_epochs: int, progress: bool, log) -> None:
     """One attack over every exposed prompt: its summary, per-position and per-prompt rows, its MLflow run."""
     from attacks.result import layer_hint
-    from benchmarks.corpus import corpus_windows, overlap_with
-    from benchmarks.metrics import span_leaks, summarise
+    from benchmarks.metrics import overlap_with, span_leaks, summarise
     from benchmarks.pipeline import attack_for, invert_all, train_softmax_head
 
     results, truths = state.results, exposed.prompt_ids
@@ -318,9 +355,10 @@ def _attack(state: RunState, tracker, exposed, prompt_set, result_name: str, kin
         head, report, corpus = train_softmax_head(exposed, variant, n_tokens=head_tokens, epochs=head_epochs,
                                                   seed=seeds["head"], progress=progress)
         results.setdefault("head_corpus", {
-            "source": "pydoc_data.topics", "n_tokens": len(corpus), "cache_key": corpus.key,
-            "loaded_from_cache": corpus.cached,
-            "overlap_8gram_with_prompts": overlap_with(corpus_windows(tokenizer, head_tokens), truths),
+            "source": "the inverse heads' corpus (attacks.proposals.corpus_examples)" if not corpus["ablation"]
+            else f"ablation: the first {head_tokens} text tokens only",
+            "n_tokens": corpus["n_tokens"], "ablation": corpus["ablation"],
+            "overlap_8gram_with_prompts": overlap_with(corpus["windows"], truths),
         })
         info = report.to_dict()
         info["coverage"] = head.coverage(truths)
@@ -472,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "format's error (inexact states: nearest neighbour on the gradient shortlist), and no "
                         "softmax head trained on defended states")
     a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS.head_tokens,
-                   help="softmax-head training corpus tokens")
+                   help="the softmax head's training corpus: 0 = the inverse heads' (offline text and random-token "
+                        "windows, sized to the vocabulary: ~180k tokens for smollm2); N = only its first N text tokens "
+                        "(the small-corpus ablation, labelled so in the results)")
     a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS.head_epochs)
     d = p.add_argument_group("data and measurement")
     d.add_argument("--prompts", default="mixed", help="prompt set (mixed, natural, random) or a text file, one per line")

@@ -65,7 +65,12 @@ def _above_chance(rate: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-    lines = [results.get("title", ""), ""]
+    lines = [results.get("title", "")]
+    if results.get("noise"):
+        from benchmarks.metrics import describe_noise
+
+        lines.append(describe_noise(results["noise"]))
+    lines.append("")
     head = f"{'attack':<24} {'decoder':<32} {'exact':>13} {'token acc ± se (n tok/prompts)':>32} {'s/prompt':>9} {'cand/pos':>9}"
     lines += [head, "-" * len(head)]
     for name, s in results.get("attacks", {}).items():

@@ -48,6 +48,11 @@ heartbeats, stale-trial retry, outages), ``search_worker`` (the worker loop), ``
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import os

@@ -74,7 +74,7 @@ class AttackBudget:
         registry's (attacks.registry: nn-gradient ranks by gradient, MAP and beam as the policy implies)."""
         return {"k_prior": self.k_prior, "k_grad": self.k_grad, "k_proxy": self.k_proxy, "exact_positions": 1}
 
-    def options(self, *, robust: str, seed: int, policy: str = "gradient"):
+    def options(self, *, robust: str, seed: int, policy: str = "learned"):
         """attacks.registry.AttackOptions within this budget (the shortlist decoders, the radius stop's cap
         and the pooled beam); ``policy`` orders exact SipIt's and the radius decoder's candidates."""
         from attacks.registry import AttackOptions
@@ -190,7 +190,7 @@ class TrialContext:
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",
-                 policy: str = "gradient", first_stage: int | None = None, threshold: float = 0.0,
+                 policy: str = "learned", first_stage: int | None = None, threshold: float = 0.0,
                  bound: str = "upper95"):
         from sipit.whitebox import WhiteBox
 

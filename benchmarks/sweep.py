@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.cli import default_out_dir
+from benchmarks.out_dir import claim
 from benchmarks.config import RunConfig, parse_spec
 
 SUMMARY_KEYS = ("exact_match", "exact_match_se", "exact_match_upper95", "token_accuracy", "token_accuracy_se",
@@ -164,24 +165,42 @@ def _finished(out: Path) -> dict | None:
 
 def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> dict:
     """Run every config of a sweep (module docstring); return the sweep's summary dict."""
-    from benchmarks import tracking
-    from benchmarks.run import run_benchmark
+    from benchmarks.run import check_against_model, load_for
 
     for config in configs:
         config.validate()  # every setting's options are checked before the first one runs
     first = configs[0]
+    loaded, clean_wb = load_for(first)
+    for config in configs:  # and against the model: a bad value is refused before minutes of earlier settings
+        check_against_model(config, loaded, clean_wb)
+    del loaded, clean_wb
     digest = sweep_hash(configs)
-    out = Path(first.out) if first.out is not None else default_out_dir(f"sweep-{digest}")
-    out.mkdir(parents=True, exist_ok=True)
+    claimed = claim(Path(first.out) if first.out is not None else default_out_dir(f"sweep-{digest}"))
+    try:
+        return _run_settings(configs, claimed, digest, progress=progress, log=log)
+    finally:
+        claimed.release()
+
+
+def _run_settings(configs: list[RunConfig], claimed, digest: str, *, progress: bool, log) -> dict:
+    """The settings of :func:`run_sweep`, once its folder is claimed (benchmarks.out_dir)."""
+    from benchmarks import tracking
+    from benchmarks.run import run_benchmark
+
+    first, out = configs[0], claimed.path
     values = swept_values(configs)
     tracker, parent = None, None
     if first.track:
         try:
             tracker = tracking.Tracker(first.tracking_uri, first.experiment)
+            orphan = claimed.previous.get("mlflow_run")
+            if orphan and claimed.previous.get("tracking_uri") == tracker.uri:
+                tracker.close_orphan(orphan, f"killed: closed by the next sweep in {out}")
             parent = tracker.start_parent(f"sweep-{digest[:6]}", {"settings": [_label(v) for v in values],
                                                                   "config": first.record()},
                                           {"sweep_hash": digest, "model": first.model, "kind": "sweep",
                                            "defense": ",".join(first.defense_names())})
+            claimed.note(mlflow_run=parent, tracking_uri=tracker.uri)
         except Exception as err:  # noqa: BLE001 - the sweep still runs and writes its files
             log(f"error: {err}\n  -> the sweep continues without MLflow; results in {out}", file=sys.stderr)
             tracker, parent = None, None

@@ -447,6 +447,24 @@ class Tracker:
                 pass
             self.open_runs.remove(run_id)
 
+    def close_orphan(self, run_id: str, reason: str) -> int:
+        """Mark ``run_id`` and its nested runs FAILED (tag ``failure``: ``reason``) where they are still RUNNING:
+        the runs of a command that was killed outright (benchmarks.out_dir). Returns how many it closed."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            runs = [self.client.get_run(run_id)] + self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+        except MlflowException:
+            return 0  # deleted, or another store
+        closed = 0
+        for run in runs:
+            if run.info.status == "RUNNING":
+                self.client.set_tag(run.info.run_id, "failure", reason[:5000])
+                self.client.set_terminated(run.info.run_id, status="FAILED")
+                closed += 1
+        return closed
+
     def run_url(self) -> str:
         parsed = urlparse(self.uri)
         base = self.uri if parsed.scheme in ("http", "https") else "http://127.0.0.1:5000"

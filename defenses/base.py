@@ -97,13 +97,20 @@ class Defense(ABC):
     def describe(self) -> str:
         """What the defence does to the served model, to the exposure, and what the attacker knows."""
 
+    def spec(self) -> str:
+        """Every parameter as a spec string, ``name:key=value,...`` (what names a served copy)."""
+        params = ",".join(f"{k}={v}" for k, v in self.params().items() if v is not None)
+        return f"{self.name}:{params}" if params else self.name
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
 
 
 def copy_loaded(loaded: LoadedModel, suffix: str) -> LoadedModel:
-    """A deep copy of the model (same tokenizer object), named ``<name>+<suffix>``, in eval mode."""
+    """A deep copy of the model (same tokenizer object), named ``<name>+<suffix>`` (the defence's
+    :meth:`Defense.spec`: every parameter), in eval mode. Caches never key on the name
+    (sipit.cache.model_key hashes the weights)."""
     model = copy.deepcopy(loaded.model)
     model.eval()
     model.requires_grad_(False)

@@ -71,6 +71,17 @@ class GaussianNoise(Defense):
         self.secure = secure
         self._generator = torch.Generator().manual_seed(self.seed)
 
+    def check_model(self, loaded: LoadedModel) -> None:
+        """Refuse noise whose distances would overflow float32 in every attack: the squared norm of (6 sigma)
+        per coordinate over d dimensions must stay below float32's largest value / 100 (absolute sigma;
+        a relative sigma is bounded as if the state RMS were 1e4, far above any model's)."""
+        d = int(loaded.model.get_input_embeddings().weight.shape[1])
+        largest = (torch.finfo(torch.float32).max / 100 / d) ** 0.5 / 6
+        scale = {"abs": 1.0, "rms": 1e4, "delta": (self.delta or 0) / 2}[self.relative_to]
+        if self.sigma * scale > largest:
+            raise DefenseParamError(f"sigma={self.sigma:g} ({self.relative_to}) is too large: distances to states "
+                                    f"this noisy overflow float32 (at most {largest / scale:.3g} for d={d})")
+
     # ------------------------------------------------------------------------------ noise
     def noise_sigma(self, states: torch.Tensor) -> float:
         if self.relative_to == "abs":
@@ -96,12 +107,12 @@ class GaussianNoise(Defense):
     def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
         if self.placement == "exposure":
             return loaded
-        served = copy_loaded(loaded, f"noise{self.sigma}{self.relative_to}@{layer}")
+        served = copy_loaded(loaded, f"{self.spec()}@{layer}")
         whitebox = WhiteBox(served.model)
         layer = whitebox.resolve_layer(layer)
         generator = torch.Generator().manual_seed(self.seed)  # the served model's own stream
+        # random: no key, so nothing derived from this copy is cached on disk (sipit.cache.model_key)
         whitebox.transform_layer(layer, lambda states: self.add_noise(states, generator))
-        served.model._sipit_noise_hook = self  # marks the copy for inspection
         return served
 
     @property

@@ -61,6 +61,12 @@ class Pooling(Defense):
             raise DefenseParamError(f"g={self.g} must divide the hidden size d={d}")
         return reduce(states.reshape(*states.shape[:-1], d // self.g, self.g), self.mode, -1)
 
+    def check_model(self, loaded) -> None:
+        """``g`` must divide the model's hidden size (over='dims')."""
+        d = int(loaded.model.get_input_embeddings().weight.shape[1])
+        if self.over == "dims" and d % self.g:
+            raise DefenseParamError(f"g={self.g} must divide the hidden size d={d} of {loaded.name}")
+
     def window_length(self, length: int) -> int:
         """Positions per pooled row for a prompt of ``length`` tokens."""
         return {"all": length, "window": self.k, "dims": 1}[self.over]

@@ -139,7 +139,7 @@ class Quantization(Defense):
             return loaded
         # One quantised copy per source model (the adaptive attacker shares it; layer-independent).
         def build() -> LoadedModel:
-            served = copy_loaded(loaded, f"bnb-{self.weights}")
+            served = copy_loaded(loaded, self.spec())
             quantize_blocks(served.model, self.weights)
             with torch.no_grad():  # bnb repacks 4-bit weights for its CPU kernel on the first forward:
                 served.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=served.model.device))

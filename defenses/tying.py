@@ -118,7 +118,7 @@ class WeightTying(Defense):
     def serve(self, loaded: LoadedModel, layer: int) -> LoadedModel:
         def build() -> tuple[LoadedModel, torch.Tensor]:
             tied = self.fit(loaded)
-            served = copy_loaded(loaded, f"tied-{self.n_groups or self.rare}")
+            served = copy_loaded(loaded, self.spec())
             untie_head(served.model)
             served.model.get_input_embeddings().weight.data.copy_(tied)
             return served, self._token_group

@@ -74,7 +74,8 @@ def held_out_ids(tokenizer, n_tokens: int = 2048, seed: int = 0) -> torch.Tensor
     """The fixed utility slice: ``n_tokens`` ids at a seeded offset in the held-out text."""
     ids = _encode(tokenizer, "held_out")
     if n_tokens < 2 or n_tokens > ids.numel():
-        raise ValueError(f"n_tokens must lie in 2..{ids.numel()}, got {n_tokens}")
+        raise ValueError(f"the held-out utility text holds {ids.numel()} tokens of this tokenizer: give 2..{ids.numel()}, "
+                         f"got {n_tokens}")
     start = int(torch.randint(0, ids.numel() - n_tokens + 1, (1,), generator=torch.Generator().manual_seed(seed)))
     return ids[start : start + n_tokens]
 

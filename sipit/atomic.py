@@ -1,10 +1,12 @@
 """Files written whole or not at all: the one place for the temp-file-and-rename pattern.
 
-The cache files (position-0 tables, inverse heads, corpus states), the margin store, the noise
-study's progress and result files and the search's trial files go through :func:`replace_atomically`: the content is written to a
-temporary file in the same directory and moved over the target with ``os.replace``, which is atomic
-on POSIX and Windows. An interruption leaves the old file or the new one, never half of one, and the
-temporary file is removed.
+The cache files (sipit.cache), the margin store, the noise study's progress and result files and the
+search's trial files go through :func:`replace_atomically`: the content is written to a temporary file
+in the same directory and moved over the target with ``os.replace``, which is atomic on POSIX and
+Windows. An interruption leaves the old file or the new one, never half of one, and the temporary
+file is removed. A folder built whole (the dequantised GGUF cache) is staged in :func:`staging_dir`
+and renamed into place the same way. Temporary names are ``.partial-<pid>-*``: what a process killed
+outright (SIGKILL) leaves behind, the next writer removes (sipit.cache.remove_stale_partials).
 """
 
 from __future__ import annotations
@@ -15,11 +17,32 @@ from pathlib import Path
 from typing import Callable
 
 
-def _open_mode() -> int:
-    """The mode a plain ``open(path, "w")`` gives a new file: 0666 less the process umask."""
+PARTIAL_PREFIX = ".partial-"
+
+
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _open_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file: 0666 less the process umask."""
+    return 0o666 & ~_umask()
+
+
+def partial_prefix() -> str:
+    """The name prefix of this process's temporary files and folders: ``.partial-<pid>-``."""
+    return f"{PARTIAL_PREFIX}{os.getpid()}-"
+
+
+def staging_dir(parent: Path) -> Path:
+    """A fresh temporary folder in ``parent`` with ``mkdir``'s mode (0777 less the umask), not ``mkdtemp``'s
+    0700, to fill and then rename into place with ``os.replace``."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=parent, prefix=partial_prefix()))
+    path.chmod(0o777 & ~_umask())
+    return path
 
 
 def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -30,7 +53,7 @@ def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.suffix)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=partial_prefix(), suffix=path.suffix)
     tmp = Path(name)
     try:
         os.fchmod(fd, _open_mode())

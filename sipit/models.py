@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,7 +34,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from sipit.atomic import replace_atomically
+from sipit.atomic import staging_dir
+from sipit.cache import cache_dir, remove_stale_partials
 from sipit.whitebox import SipitInputError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -61,26 +61,6 @@ class LoadedModel:
     #: results computed from this model and its tokenizer, by family (sipit.memo), e.g. the clean
     #: model's losses on the utility text (defenses.utility): they live as long as the model
     memo: dict = field(default_factory=dict, repr=False, compare=False)
-
-
-def cache_dir() -> Path:
-    """Where dequantised weights are cached: ``$SIPIT_CACHE_DIR`` or the user cache dir."""
-    env = os.environ.get("SIPIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("sipit-bench"))
-
-
-def save_to_cache(obj, path: str | Path) -> bool:
-    """``torch.save(obj)`` to ``path`` atomically (:func:`sipit.atomic.replace_atomically`): an
-    interrupted save leaves no half file. A read-only cache only costs a rebuild next time (False)."""
-    try:
-        replace_atomically(path, lambda tmp: torch.save(obj, tmp))
-    except OSError:
-        return False
-    return True
 
 
 def smollm2_gguf_path() -> Path:
@@ -119,7 +99,10 @@ def _read_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF file dequantised to fp32, through a safetensors cache keyed by the file."""
+    """Load a GGUF file dequantised to fp32, through a safetensors cache keyed by the file.
+
+    The cache folder is built in a staging folder and renamed into place whole: an interrupted build
+    (Ctrl-C, an error) removes its staging folder, and one killed outright is removed by the next load."""
     cached = cache_dir() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if not (cached / "config.json").is_file():
         model, tokenizer = _read_gguf(path)
@@ -127,8 +110,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.config.architectures = [type(model).__name__]
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".partial-"))
+        remove_stale_partials(cached.parent)
+        staging = staging_dir(cached.parent)
         try:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
@@ -137,6 +120,9 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
             shutil.rmtree(staging, ignore_errors=True)
             if not (cached / "config.json").is_file():
                 raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return _load_pretrained(str(cached), dtype)
 
 

@@ -14,26 +14,26 @@ Cost: V single-position steps on the empty prefix, i.e. about a plain forward of
 layer l (smollm2-135m, 2 CPU cores: ~75 s at layer 30, ~2 s at layer 1). Fewer when rows repeat:
 F_v depends on v only through its input row e_v, so one token per distinct row is stepped, and a
 copy whose layer-l computation is its original's but for the input embedding (a tied model,
-``WhiteBox.proposals_from``, same :func:`states_fingerprint`) reads the rows its original also has
+``WhiteBox.proposals_from``, same :func:`sipit.cache.body_key`) reads the rows its original also has
 from the original's table (tying the rarest tokens: no step at all). The table is computed
-once per (weights, layer), cached on disk under ``sipit.models.cache_dir() / "tables"`` and kept
-in memory by the WhiteBox that owns the model (``WhiteBox.memo``). The disk key is a hash of the
-model's weights (:func:`weights_fingerprint`), so a different model, a fine-tuned copy or a
-quantised variant never reuses another's table; a file that is truncated, corrupt or of the
-wrong shape is rebuilt, never trusted.
+once per (model, layer), cached on disk under ``sipit.cache.cache_dir() / "tables"`` and kept
+in memory by the WhiteBox that owns the model (``WhiteBox.memo``). The disk key is
+:func:`sipit.cache.model_key` (every weight's bytes and every forward change), so a different model,
+a fine-tuned copy or a quantised variant never reuses another's table; a file that is truncated,
+corrupt or of the wrong shape is removed with a warning and rebuilt, never trusted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from sipit import cache
+from sipit.cache import body_key, entry_path, model_key
 from sipit.memo import memoised
-from sipit.models import cache_dir, save_to_cache
 from sipit.sweep import sweep_states
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -64,55 +64,10 @@ class VocabTable:
         return 2 * (table @ h) - self._sq_norms - h.pow(2).sum()
 
 
-def _hash_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """blake2b (12 bytes, hex) of each tensor's name, shape, dtype and bytes, in order."""
-    digest = hashlib.blake2b(digest_size=12)
-    for name, tensor in named:
-        data = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def weights_fingerprint(whitebox: WhiteBox) -> str:
-    """A hash of every parameter and buffer (names, shapes, dtypes and bytes) of the model.
-
-    Hashing all bytes costs about a second for a 135M-parameter model and is memoised per WhiteBox.
-    """
-    if "fingerprint" not in whitebox.memo:
-        model = whitebox.model
-        whitebox.memo["fingerprint"] = _hash_tensors(list(model.named_parameters()) + list(model.named_buffers()))
-    return whitebox.memo["fingerprint"]
-
-
-def states_fingerprint(whitebox: WhiteBox) -> str:
-    """A hash of what the layer states depend on besides the input rows: every parameter and buffer
-    of the decoder (blocks, norms, position embeddings) except the input embedding; the LM head is
-    outside it. Two models with the same one map equal rows to equal states. Memoised per WhiteBox."""
-    if "states-fingerprint" not in whitebox.memo:
-        rows = whitebox.embedding.weight
-        named = [(n, t) for n, t in list(whitebox.base.named_parameters()) + list(whitebox.base.named_buffers())
-                 if t is not rows]
-        whitebox.memo["states-fingerprint"] = _hash_tensors(named)
-    return whitebox.memo["states-fingerprint"]
-
-
-def table_path(whitebox: WhiteBox, layer: int) -> Path:
-    """Disk location of the position-0 table of this model's weights at ``layer``."""
-    return cache_dir() / "tables" / f"pos0-{weights_fingerprint(whitebox)}-l{layer}.pt"
-
-
-def _load(path: Path, expected: tuple[int, int]) -> torch.Tensor | None:
-    """The table stored at ``path``, or None when it is missing, unreadable or malformed."""
-    if not path.is_file():
-        return None
-    try:
-        states = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - a damaged file fails with many types; it is rebuilt
-        return None
-    if not isinstance(states, torch.Tensor) or tuple(states.shape) != expected or not torch.isfinite(states).all():
-        return None
-    return states
+def table_path(whitebox: WhiteBox, layer: int) -> Path | None:
+    """Disk location of the position-0 table of this model at ``layer`` (None: the model has no cache key)."""
+    key = model_key(whitebox)
+    return None if key is None else entry_path("tables", f"pos0-{key}-l{layer}.pt")
 
 
 def _row_keys(whitebox: WhiteBox) -> list[bytes]:
@@ -126,7 +81,7 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
     """F_v = Phi^l(v)_0 for every v, ``(V, d)``: the distinct input rows swept on the empty prefix
     (incremental steps, also for a WhiteBox that verifies at the served shape: the table ranks, it
     does not verify), each token reading its row's state; rows of the original's table where
-    ``proposals_from`` has the same :func:`states_fingerprint` (module docstring)."""
+    ``proposals_from`` has the same :func:`sipit.cache.body_key` (module docstring)."""
     whitebox = whitebox.at_served_shape(None)
     keys = _row_keys(whitebox)
     row_of: dict[bytes, int] = {}  # distinct input row -> its index among the distinct rows
@@ -139,7 +94,7 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
     states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
     todo = list(range(len(distinct)))
     original = whitebox.proposals_from
-    same_body = original is not None and states_fingerprint(original) == states_fingerprint(whitebox)
+    same_body = original is not None and body_key(original) is not None and body_key(original) == body_key(whitebox)
     if same_body:
         theirs = {key: token for token, key in enumerate(_row_keys(original))}
         shared = [i for i in todo if distinct[i] in theirs]
@@ -162,15 +117,15 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
     if key in whitebox.memo:
         return whitebox.memo[key]
     started = time.perf_counter()
-    path = table_path(whitebox, layer)
+    path = table_path(whitebox, layer) if use_disk else None
     dtype = whitebox.embedding.weight.dtype
-    states = _load(path, (whitebox.vocab_size, whitebox.d)) if use_disk else None
+    states = cache.load(path, cache.check_tensor((whitebox.vocab_size, whitebox.d))) if path else None
     cached = states is not None
     if states is None:
         states = build_table(whitebox, layer, chunk, progress)
-        if use_disk:
-            save_to_cache(states.cpu(), path)
-    table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem,
+        if path is not None:
+            cache.save(states.cpu(), path)
+    table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem if path else "",
                        time.perf_counter() - started, cached)
     whitebox.memo[key] = table
     return table

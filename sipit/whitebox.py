@@ -63,6 +63,21 @@ class PrefixCache:
     tokens: tuple[int, ...] = ()
 
 
+class _ForwardChange:
+    """A forward hook that the model lists in ``_sipit_forward_changes`` while it is on (sipit.cache.model_key
+    reads the list); ``remove()`` takes both away."""
+
+    def __init__(self, model: nn.Module, handle, key: str | None):
+        self.model, self.handle, self.key = model, handle, key
+        model.__dict__.setdefault("_sipit_forward_changes", []).append(key)
+
+    def remove(self) -> None:
+        self.handle.remove()
+        changes = self.model.__dict__.get("_sipit_forward_changes", [])
+        if self.key in changes:
+            changes.remove(self.key)
+
+
 def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
     """The model's block list: the ``ModuleList`` with ``num_hidden_layers`` entries."""
     lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
@@ -138,10 +153,14 @@ class WhiteBox:
             )
         return layer % n
 
-    def transform_layer(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]):
+    def transform_layer(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor], key: str | None = None):
         """Make every forward of the model replace its layer-``layer`` states h (B, n, d) by ``fn(h)``
         before the blocks above consume them (layer 0: the input of block 1). Returns the hook handle
-        (``.remove()`` undoes it)."""
+        (``.remove()`` undoes it).
+
+        ``key`` names the change for the disk cache (sipit.cache.model_key): the same key must mean the
+        same function. ``None`` (the default) declares it random or unnamed: while the hook is on, nothing
+        derived from the model is cached on disk."""
         layer = self.resolve_layer(layer)
         if layer == 0:
 
@@ -150,14 +169,16 @@ class WhiteBox:
                     return (fn(args[0]),) + tuple(args[1:]), kwargs
                 return args, dict(kwargs, hidden_states=fn(kwargs["hidden_states"]))
 
-            return self.blocks[0].register_forward_pre_hook(on_input, with_kwargs=True)
+            handle = self.blocks[0].register_forward_pre_hook(on_input, with_kwargs=True)
+        else:
 
-        def on_output(module, args, output):
-            if isinstance(output, tuple):
-                return (fn(output[0]),) + tuple(output[1:])
-            return fn(output)
+            def on_output(module, args, output):
+                if isinstance(output, tuple):
+                    return (fn(output[0]),) + tuple(output[1:])
+                return fn(output)
 
-        return self.blocks[layer - 1].register_forward_hook(on_output)
+            handle = self.blocks[layer - 1].register_forward_hook(on_output)
+        return _ForwardChange(self.model, handle, None if key is None else f"layer {layer}: {key}")
 
     def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """Token ids as a 1-D long tensor on the model's device; rejects empty/out-of-vocab."""

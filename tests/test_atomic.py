@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sipit.atomic import replace_atomically, write_text_atomic
-from sipit.models import save_to_cache
+from sipit.cache import save as save_to_cache
 
 
 def test_an_interrupted_write_keeps_the_old_file_and_leaves_no_partial(tmp_path):

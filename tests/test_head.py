@@ -8,7 +8,9 @@ import pytest
 from attacks.head import PrototypeHead, train_head
 from attacks.policies import RandomPolicy
 from attacks.sipit import SipIt
-from benchmarks.corpus import corpus_states, corpus_windows, overlap_with
+from attacks.corpus import corpus_windows
+from attacks.proposals import HeadConfig, corpus_examples, training_windows
+from benchmarks.metrics import overlap_with
 from benchmarks.prompts import load_prompts
 from sipit.models import load_model
 from sipit.tolerance import acceptance_radius
@@ -47,37 +49,51 @@ def test_prototype_head_equals_sipit_nearest_neighbour(tiny, noise_scale):
         assert wrong > 0  # the decision is non-trivial: noise moved the NN away from the truth
 
 
-def test_head_training_accuracy_cache_and_invert(tiny, tmp_path, monkeypatch):
+def test_head_training_accuracy_and_invert(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SIPIT_CACHE_DIR", str(tmp_path))
     loaded, wb = tiny
-    first = corpus_states(loaded, wb, -1, n_tokens=1024, window=64)
-    again = corpus_states(loaded, wb, -1, n_tokens=1024, window=64)
-    assert not first.cached and again.cached and torch.equal(first.states, again.states)
-    assert list((tmp_path / "head-states").glob("*.pt"))
-    assert first.states.shape == (1024, wb.d)
-    assert torch.allclose(first.states[:64], wb.states(first.ids[:64], -1), atol=1e-5)
+    config = HeadConfig(n_text=1024, n_random=0)
+    sources = training_windows(loaded.tokenizer, wb.vocab_size, config, slot=2)
+    states, ids, held = corpus_examples(wb, -1, sources, 0, config)
+    assert states.shape == (1024, wb.d) and held.any() and not held.all()
+    assert torch.allclose(states[:64], wb.states(ids[:64], -1), atol=0.05)  # the cached fp16 / bf16 corpus states
 
-    head, report = train_head(first.states, first.ids, vocab_size=wb.vocab_size, windows=first.windows,
-                              epochs=30, seed=0)
-    same, _ = train_head(first.states, first.ids, vocab_size=wb.vocab_size, windows=first.windows, epochs=30, seed=0)
+    head, report = train_head(states, ids, held, vocab_size=wb.vocab_size, epochs=30, seed=0)
+    same, _ = train_head(states, ids, held, vocab_size=wb.vocab_size, epochs=30, seed=0)
     assert torch.equal(head.linear.weight, same.linear.weight)  # seeded
     chance = 1.0 / report.n_classes
     assert report.train_accuracy > 0.9 and report.heldout_accuracy > 10 * chance
-    assert report.n_train + report.n_heldout == 1024
+    assert report.n_train + report.n_heldout == 1024 and report.n_heldout == int(held.sum())
     weight, bias = head.affine()  # g(h) = W^T h + b on raw states
-    h = first.states[:10]
+    h = states[:10]
     assert torch.allclose(h @ weight + bias, head(h), atol=1e-3)
 
-    ids = load_prompts(loaded.tokenizer, 1, length=8, seed=1)[0]
-    inv = head.invert(wb.states(ids, -1), wb, -1, loaded.tokenizer)
+    ids8 = load_prompts(loaded.tokenizer, 1, length=8, seed=1)[0]
+    inv = head.invert(wb.states(ids8, -1), wb, -1, loaded.tokenizer)
     assert len(inv.ids) == 8 and inv.candidates_tried == 0 and all(0 <= v < wb.vocab_size for v in inv.ids)
-    assert inv.ids == head.predict(wb.states(ids, -1)).tolist()
+    assert inv.ids == head.predict(wb.states(ids8, -1)).tolist()
 
     noisy, noisy_report = train_head(
-        first.states, first.ids, vocab_size=wb.vocab_size, windows=first.windows, epochs=30, seed=0, variant="adaptive",
+        states, ids, held, vocab_size=wb.vocab_size, epochs=30, seed=0, variant="adaptive",
         augment=lambda x, g: x + 2.0 * torch.randn(x.shape, generator=g))
     assert noisy.name == "softmax-head-adaptive" and noisy_report.heldout_accuracy_exposed is not None
     assert 0.0 <= noisy_report.heldout_accuracy_exposed <= 1.0
+
+
+def test_sampled_softmax_trains_a_head_over_every_class_it_saw(tiny):
+    """With fewer negatives than classes each step scores a sample, yet the head predicts over all classes
+    and learns them: on separable synthetic states it is as accurate as the full softmax."""
+    _, wb = tiny
+    generator = torch.Generator().manual_seed(0)
+    centres = 5 * torch.randn(300, 16, generator=generator)
+    ids = torch.arange(300).repeat(20)
+    states = centres[ids] + 0.1 * torch.randn(ids.numel(), 16, generator=generator)
+    held = torch.zeros(ids.numel(), dtype=torch.bool)
+    held[-300:] = True
+    sampled, report = train_head(states, ids, held, vocab_size=300, epochs=20, negatives=16, seed=0)
+    full, full_report = train_head(states, ids, held, vocab_size=300, epochs=20, negatives=4096, seed=0)
+    assert report.n_classes == 300 and sampled.linear.weight.shape[0] == 300
+    assert report.heldout_accuracy > 0.95 and full_report.heldout_accuracy > 0.95
 
 
 def test_corpus_is_disjoint_from_eval_prompts(tiny):

@@ -8,7 +8,8 @@ from attacks.proposals import HeadConfig, inverse_head, true_ranks
 from attacks.sipit import SipIt
 from benchmarks.prompts import prompt_set
 from sipit.models import load_model
-from sipit.vocab_table import position_zero_table, table_path, weights_fingerprint
+from sipit.cache import model_key
+from sipit.vocab_table import position_zero_table, table_path
 from sipit.whitebox import WhiteBox
 
 SMALL = HeadConfig(n_text=4096, n_random=2048, n_pairs=4096, min_steps=300)
@@ -153,7 +154,7 @@ def test_inverse_head_ranks_far_better_than_chance(tiny, one_thread, slot):
 def test_caches_are_keyed_by_weights_and_layer(tmp_path):
     loaded, wb = fresh("tiny-llama")
     other_loaded, other = fresh("tiny-gpt2")
-    assert weights_fingerprint(wb) != weights_fingerprint(other)
+    assert model_key(wb) != model_key(other)
     assert table_path(wb, 1) != table_path(wb, 2)
     first = position_zero_table(wb, 1)
     assert not first.cached and table_path(wb, 1).is_file()
@@ -165,7 +166,7 @@ def test_caches_are_keyed_by_weights_and_layer(tmp_path):
     with torch.no_grad():
         loaded.model.get_input_embeddings().weight[5] += 1.0
     changed = WhiteBox(loaded.model)
-    assert weights_fingerprint(changed) != weights_fingerprint(wb)
+    assert model_key(changed) != model_key(wb)
     assert not position_zero_table(changed, 1).cached
     head_a = inverse_head(changed, loaded.tokenizer, 1, SMALL)[1]
     head_b = inverse_head(changed, loaded.tokenizer, 2, SMALL)[1]
@@ -274,8 +275,8 @@ def test_a_served_copy_ranks_with_its_originals_heads_and_still_recovers_exactly
     assert any("full-precision original" in line for line in lines)
     assert all(borrowed.heads[s][0] is own.heads[s][0] for s in own.heads)  # the original's, memoised
     heads = sorted(p.name for p in (tmp_path / "heads").iterdir())
-    assert heads and all(weights_fingerprint(wb) in name for name in heads)  # no head trained for the copy
-    assert weights_fingerprint(copy) in table_path(copy, 2).name and table_path(copy, 2).is_file()  # its own table
+    assert heads and all(model_key(wb) in name for name in heads)  # no head trained for the copy
+    assert model_key(copy) in table_path(copy, 2).name and table_path(copy, 2).is_file()  # its own table
     prompt = prompt_set(loaded.tokenizer, 1, length=10, seed=9)[0]
     inv = SipIt(borrowed).invert(copy.states(prompt.ids, 2), copy, 2, loaded.tokenizer)
     assert inv.ids == prompt.ids and inv.all_verified

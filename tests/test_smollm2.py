@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from attacks.sipit import SipIt
-from sipit.models import cache_dir, load_model
+from sipit.cache import cache_dir
+from sipit.models import load_model
 from sipit.whitebox import WhiteBox
 
 pytestmark = pytest.mark.smollm

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.corpus import overlap_with
+from benchmarks.metrics import overlap_with
 from attacks.corpus import corpus_windows
 from defenses import make_defense
 from defenses.uses import (BLOCK, TEXT_START, TOKEN_CLASSES, embedding_store, labelled_tokens, pooled_vectors, probing,

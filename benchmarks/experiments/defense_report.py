@@ -11,6 +11,11 @@ the CPU lock: ``flock /tmp/sipit-heavy.lock .venv/bin/python -m benchmarks.exper
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import time

@@ -9,6 +9,11 @@ position of the prompts and the tolerance the documented rule derives from it
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 
 import torch

@@ -13,6 +13,11 @@ tokens, arranged as V/(t+1) sequences of length t+1 so each token attends over a
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import time

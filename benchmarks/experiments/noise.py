@@ -36,6 +36,11 @@ folder rather than mix rows; the file is removed once ``noise.json`` is written.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import math

@@ -21,6 +21,11 @@ Writes ``quant_recovery.json`` (one row per layer and format) and ``quant_recove
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 from pathlib import Path

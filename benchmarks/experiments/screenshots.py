@@ -24,6 +24,11 @@ assistant panel if it opened, waits until the page shows what the picture is for
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import base64
 import contextlib

@@ -16,6 +16,11 @@ prompt length. The report says so. Results go to ``--out`` as JSON and markdown.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one line (benchmarks.startup)
+    from benchmarks.startup import guard_startup
+
+    guard_startup()
+
 import argparse
 import json
 import platform

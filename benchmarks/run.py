@@ -94,7 +94,7 @@ def run_benchmark(config: RunConfig | None = None, *, progress: bool = True, log
     config.validate()  # cheap checks first
     loaded, clean_wb = load_for(config)
     layer, prompt_set = check_against_model(config, loaded, clean_wb)
-    out = claim(Path(config.out) if config.out is not None else default_out_dir(f"run-{config.hash()}"))
+    out = claim(config.out if config.out is not None else default_out_dir(f"run-{config.hash()}"))
     try:
         return _run_claimed(config, out, loaded, clean_wb, layer, prompt_set, progress=progress, log=log,
                             parent_run=parent_run, started=started)

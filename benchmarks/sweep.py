@@ -175,7 +175,7 @@ def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> 
         check_against_model(config, loaded, clean_wb)
     del loaded, clean_wb
     digest = sweep_hash(configs)
-    claimed = claim(Path(first.out) if first.out is not None else default_out_dir(f"sweep-{digest}"))
+    claimed = claim(first.out if first.out is not None else default_out_dir(f"sweep-{digest}"))
     try:
         return _run_settings(configs, claimed, digest, progress=progress, log=log)
     finally:

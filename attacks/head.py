@@ -38,9 +38,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from attacks.result import Inversion, PositionRecord
+from attacks.training import epochs_for, minibatches, sampled_classes
 from sipit.sweep import sweep_states
 
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
@@ -187,27 +187,23 @@ def train_head(
         head = SoftmaxHead(states.shape[1], classes, vocab_size, mean, scale, variant=variant)
     optimiser = torch.optim.Adam(head.parameters(), lr=lr, weight_decay=weight_decay)
     n_classes = int(classes.numel())
-    per_epoch = -(-x_train.shape[0] // batch_size)
-    epochs = max(epochs, -(-min_steps // per_epoch))
+    epochs = epochs_for(x_train.shape[0], batch_size, epochs, min_steps)
     started = time.perf_counter()
     loss_value = float("nan")
-    for _ in tqdm(range(epochs), desc=f"train {head.name}", disable=not progress, leave=False):
-        order = torch.randperm(x_train.shape[0], generator=generator)
-        for start in range(0, x_train.shape[0], batch_size):
-            rows = order[start : start + batch_size]
-            batch = x_train[rows]
-            if augment is not None:
-                batch = augment(batch, generator).float()
-            if negatives < n_classes:
-                pool = torch.unique(torch.cat([target[rows], torch.randint(0, n_classes, (negatives,),
-                                                                           generator=generator)]))
-                loss = nn.functional.cross_entropy(head(batch, pool), torch.searchsorted(pool, target[rows]))
-            else:
-                loss = nn.functional.cross_entropy(head(batch), target[rows])
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            loss_value = float(loss.detach())
+    for rows in minibatches(x_train.shape[0], batch_size, epochs, generator, progress=progress,
+                            desc=f"train {head.name}"):
+        batch = x_train[rows]
+        if augment is not None:
+            batch = augment(batch, generator).float()
+        if negatives < n_classes:
+            pool, label = sampled_classes(target[rows], n_classes, negatives, generator)
+            loss = nn.functional.cross_entropy(head(batch, pool), label)
+        else:
+            loss = nn.functional.cross_entropy(head(batch), target[rows])
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        loss_value = float(loss.detach())
     head.eval()
     exposed = None
     if augment is not None and y_held.numel():
@@ -260,10 +256,10 @@ class InverseHeadAttack:
 
     name = "inverse-head"
 
-    def __init__(self, head_config=None):
+    def __init__(self, head_config=None, progress: bool = False):
         from attacks.policies import LearnedPolicy
 
-        self.policy = LearnedPolicy(head_config) if head_config is not None else LearnedPolicy()
+        self.policy = LearnedPolicy(head_config, progress=progress)
 
     def invert(self, observed: torch.Tensor, whitebox, layer: int, tokenizer=None, length: int | None = None) -> Inversion:
         layer = whitebox.resolve_layer(layer)

@@ -29,6 +29,7 @@ import torch
 
 from attacks.proposals import SLOTS, HeadConfig, HeadReport, InverseHead, inverse_head
 from sipit.prior import NextTokenPrior
+from sipit.resources import GB, peak_rss
 from sipit.vocab_table import VocabTable, position_zero_table
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -186,7 +187,7 @@ class LearnedPolicy:
         self.heads = {slot: inverse_head(source, tokenizer, layer, self.head_config, slot=slot,
                                          progress=self.progress) for slot in SLOTS}
         lines = [f"position-0 table (layer {layer}): {'loaded from the cache' if self.table.cached else 'built'} "
-                 f"in {self.table.seconds:.1f} s"]
+                 f"in {self.table.seconds:.1f} s" + ("" if self.table.cached else f" ({self.table.needs})")]
         if source is not whitebox:
             lines.append("inverse heads: the full-precision original's (they rank the served copy's candidates; "
                          "the copy verifies them)")
@@ -194,7 +195,9 @@ class LearnedPolicy:
             how = "loaded from the cache" if report.cached else f"trained on {report.n_train} corpus tokens"
             lines.append(f"inverse head (layer {layer}, {'position 1' if slot == 1 else 'positions >= 2'}): "
                          f"{how} in {report.seconds:.1f} s; held-out recall@1 {report.top1:.3f}, "
-                         f"recall@16 {report.top16:.3f}")
+                         f"recall@16 {report.top16:.3f}" + ("" if report.cached else f" ({report.needs})"))
+        if not self.table.cached or not all(report.cached for _, report in self.heads.values()):
+            lines.append(f"peak resident memory of this process so far: {peak_rss() / GB:.2f} GB")
         return lines
 
     def head_at(self, position: int) -> InverseHead:
@@ -285,9 +288,9 @@ class LearnedPolicy:
 POLICIES = {"random": RandomPolicy, "gradient": GradientPolicy, "learned": LearnedPolicy}
 
 
-def make_policy(name: str) -> CandidatePolicy:
-    """A policy by name (``random``, ``gradient`` or ``learned``)."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}") from None
+def make_policy(name: str, *, progress: bool = False) -> CandidatePolicy:
+    """A policy by name (``random``, ``gradient`` or ``learned``); ``progress``: the learned policy's one-time
+    builds show progress bars (the others build nothing)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}")
+    return LearnedPolicy(progress=progress) if name == "learned" else POLICIES[name]()

@@ -55,8 +55,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attacks.corpus import corpus_windows, random_windows
+from attacks.training import epochs_for, minibatches, sampled_classes
 from sipit import cache
 from sipit.cache import entry_path, model_key
+from sipit.memo import memoised
+from sipit.resources import FLOAT32, check_room
 from sipit.whitebox import WhiteBox
 
 TEMPERATURES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -108,6 +111,7 @@ class HeadReport:
     temperature: float
     seconds: float  # building (states + fit), or loading from disk
     cached: bool
+    needs: str = ""  # what the build needed (sipit.resources.check_room), when it was built
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,9 +168,19 @@ def true_ranks(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (scores > scores.gather(1, ids[:, None])).sum(1)
 
 
-def unit_embeddings(whitebox: WhiteBox) -> torch.Tensor:
-    """E_v / ||E_v|| for every token, ``(V, d)`` (the model's own embedding-module outputs)."""
-    return torch.nn.functional.normalize(whitebox.token_embeddings().float().cpu(), dim=1)
+def unit_embeddings(whitebox: WhiteBox, chunk: int = 8192) -> torch.Tensor:
+    """E_v / ||E_v|| for every token, ``(V, d)`` fp32 (the model's own embedding-module outputs), computed
+    ``chunk`` tokens at a time and memoised per WhiteBox: every head of the model shares one matrix."""
+
+    def build() -> torch.Tensor:
+        out = torch.empty(whitebox.vocab_size, whitebox.d)
+        with torch.no_grad():
+            for ids in torch.arange(whitebox.vocab_size).split(chunk):
+                rows = whitebox.embed(ids.to(whitebox.device)).float().cpu()
+                out[ids] = torch.nn.functional.normalize(rows, dim=1)
+        return out
+
+    return memoised(whitebox, "unit-embeddings", None, build)
 
 
 def training_windows(tokenizer, vocab_size: int, config: HeadConfig, slot: int) -> tuple[list[list[int]], ...]:
@@ -265,18 +279,15 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, directions: torch.Tensor, config:
     optimiser = torch.optim.Adam(head.parameters(), lr=config.lr)
     vocab = directions.shape[0]
     n_neg = min(config.negatives, vocab)
-    per_epoch = -(-x.shape[0] // config.batch_size)
-    epochs = max(config.epochs, -(-config.min_steps // per_epoch))
-    for _ in tqdm(range(epochs), desc="inverse-head training", disable=not progress, leave=False):
-        order = torch.randperm(x.shape[0], generator=generator)
-        for start in range(0, x.shape[0], config.batch_size):
-            rows = order[start : start + config.batch_size]
-            pool = torch.unique(torch.cat([y[rows], torch.randint(0, vocab, (n_neg,), generator=generator)]))
-            logits = head.log_scale.exp() * head.direction(add_noise(x[rows], config.noise, generator)) @ directions[pool].T
-            loss = nn.functional.cross_entropy(logits, torch.searchsorted(pool, y[rows]))
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
+    epochs = epochs_for(x.shape[0], config.batch_size, config.epochs, config.min_steps)
+    for rows in minibatches(x.shape[0], config.batch_size, epochs, generator, progress=progress,
+                            desc="inverse-head training"):
+        pool, label = sampled_classes(y[rows], vocab, n_neg, generator)
+        logits = head.log_scale.exp() * head.direction(add_noise(x[rows], config.noise, generator)) @ directions[pool].T
+        loss = nn.functional.cross_entropy(logits, label)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
     head.eval()
     return head
 
@@ -427,7 +438,14 @@ def inverse_head(whitebox: WhiteBox, tokenizer, layer: int, config: HeadConfig =
         head, report = loaded
         report.seconds, report.cached = time.perf_counter() - started, True
     else:
+        n = sum(len(w) for source in sources for w in source)
+        needs = check_room(f"the inverse head of layer {layer}, {'position 1' if slot == 1 else 'positions >= 2'} "
+                           f"({n} corpus tokens, V={whitebox.vocab_size})",
+                           memory=(3 * n * whitebox.d + whitebox.vocab_size * whitebox.d) * FLOAT32 + SCORED_FLOATS * 8,
+                           disk=n * whitebox.d * 2 if path is not None else 0,
+                           folder=path.parent if path is not None else None)
         head, report = train_inverse_head(whitebox, layer, sources, slot, config, progress)
+        report.needs = needs
         if path is not None:
             _save_head(path, head, report)
     whitebox.memo[key] = (head, report)

@@ -87,6 +87,7 @@ class AttackOptions:
     max_candidates: int | None = None  # the radius stop's cap (nn-heuristic)
     pooled_beam: int | None = None
     pooled_topk: int | None = None
+    progress: bool = False  # progress bars (with ETA) of the one-time builds: position-0 table, inverse heads
 
 
 def _given(**kwargs) -> dict:
@@ -101,26 +102,27 @@ def _shortlist(o: AttackOptions) -> dict:
 
 def _pooled(e: Exposure, o: AttackOptions):
     """The pooled beam; with the learned policy its candidates add the learned proposals (attacks.pooled)."""
-    proposals = LearnedPolicy() if o.policy == "learned" else None
+    proposals = LearnedPolicy(progress=o.progress) if o.policy == "learned" else None
     return PooledBeamAttack(e.pooling, proposals=proposals, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
 
 
 #: name -> builder(exposure, options). Adding an attack is one entry here.
 BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
-    "sipit-exact": lambda e, o: SipIt(make_policy(o.policy), seed=o.seed),
-    "sipit-member": lambda e, o: MemberByPrior(SipIt(make_policy(o.policy), seed=o.seed), e.groups),
+    "sipit-exact": lambda e, o: SipIt(make_policy(o.policy, progress=o.progress), seed=o.seed),
+    "sipit-member": lambda e, o: MemberByPrior(SipIt(make_policy(o.policy, progress=o.progress), seed=o.seed), e.groups),
     "bruteforce": lambda e, o: SipIt(RandomPolicy(), use_prior=False, seed=o.seed),
-    "nn-heuristic": lambda e, o: NearestNeighbour(make_policy(o.policy), stop="heuristic", sigma=e.sigma,
+    "nn-heuristic": lambda e, o: NearestNeighbour(make_policy(o.policy, progress=o.progress), stop="heuristic", sigma=e.sigma,
                                                   **_given(max_candidates=o.max_candidates)),
-    "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, **_shortlist(o)),
+    "nn-shortlist": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma, progress=o.progress,
+                                                  **_shortlist(o)),
     "nn-gradient": lambda e, o: NearestNeighbour(stop="shortlist", sigma=e.sigma,
                                                  **{**GRADIENT_SHORTLIST, **(o.shortlist or {})}),
-    "map": lambda e, o: MapDecoder(e.sigma, prior_mix=o.prior_mix, **_shortlist(o)),
+    "map": lambda e, o: MapDecoder(e.sigma, prior_mix=o.prior_mix, progress=o.progress, **_shortlist(o)),
     "beam": lambda e, o: MapBeamSearch(e.sigma, width=o.beam_width, early_width=o.beam_early_width,
-                                       prior_mix=o.prior_mix, **_given(early_positions=o.beam_early_positions,
+                                       prior_mix=o.prior_mix, progress=o.progress, **_given(early_positions=o.beam_early_positions,
                                                                        refine_k=o.beam_refine_k), **_shortlist(o)),
     "pooled-beam": _pooled,
-    "inverse-head": lambda e, o: InverseHeadAttack(),
+    "inverse-head": lambda e, o: InverseHeadAttack(progress=o.progress),
 }
 #: --robust choice -> the decoder used under Gaussian noise
 ROBUST = {"map": "map", "beam": "beam", "shortlist": "nn-shortlist", "radius": "nn-heuristic"}

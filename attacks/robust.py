@@ -172,13 +172,13 @@ class CandidateScorer:
         """The rankings whose rounds build the shortlist, in order (``learned+surrogate``: both)."""
         return tuple(self.ranking.split("+"))
 
-    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0, progress: bool = False) -> list[str]:
         """The inverse heads of ``ranking="learned"``, adapted to noise ``sigma`` rounded to the heads'
         grid (attacks.proposals.head_noise; one-time per model, layer and grid sigma); nothing for the
         other rankings."""
         if "learned" not in self.rankings:
             return []
-        self._learned = LearnedPolicy(replace(self.head_config, noise=head_noise(float(sigma))))
+        self._learned = LearnedPolicy(replace(self.head_config, noise=head_noise(float(sigma))), progress=progress)
         return self._learned.prepare(whitebox, layer, tokenizer)
 
     def score(self, whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tensor,
@@ -336,7 +336,7 @@ class RadiusScorer:
         self.batch_size = self.policy.first_batch if batch_size is None else batch_size
         self.alpha, self.max_candidates = alpha, max_candidates
 
-    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0) -> list[str]:
+    def prepare(self, whitebox: WhiteBox, layer: int, tokenizer, sigma: float = 0.0, progress: bool = False) -> list[str]:
         """The policy's one-time resources for (model, ``layer``) (attacks.policies; its heads are the
         clean ones whatever ``sigma``: the radius stop accepts what the noise radius admits)."""
         return self.policy.prepare(whitebox, layer, tokenizer)
@@ -531,7 +531,7 @@ class MapBeamSearch:
         root_prior = NextTokenPrior(whitebox.model) if (self.use_prior or not self.scorer.exact) else None
         root = _Hyp([], [], 0.0, whitebox.prefix_cache([], layer), root_prior, [], [])
         prepare = getattr(self.scorer, "prepare", None)  # one-time per (model, layer): not timed below
-        setup = prepare(whitebox, layer, tokenizer, sigma=self.sigma) if prepare is not None else []
+        setup = prepare(whitebox, layer, tokenizer, sigma=self.sigma, progress=self.progress) if prepare is not None else []
         started = time.perf_counter()
         beams: list[list[_Hyp]] = [[root]]  # beams[t] = hypotheses holding t tokens
         reserve: list[list[_Pending]] = [[]]  # reserve[t] = pruned children of beams[t-1], as a heap

@@ -312,7 +312,7 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     if "softmax-head" in attack_names and chain.name != "none" and config.knows_defense:
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
     options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
-                            policy=config.policy, max_candidates=config.radius_budget or None)
+                            policy=config.policy, max_candidates=config.radius_budget or None, progress=progress)
     for result_name, kind in plan:
         log(f"[run] attack {result_name} started", file=sys.stderr)
         if kind.startswith("head") and not chain.per_position:

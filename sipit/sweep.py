@@ -66,9 +66,18 @@ def sweep(whitebox: WhiteBox, prefix: PrefixCache, reduce: Reducer, *, ids: torc
 @torch.no_grad()
 def sweep_states(whitebox: WhiteBox, prefix: PrefixCache, *, ids: torch.Tensor | None = None, chunk: int = 1024,
                  progress: bool = False, desc: str = "vocabulary sweep") -> torch.Tensor:
-    """mu_{p,v} for every token v of ``ids`` (default: the vocabulary), ``(len(ids), d)`` in that order."""
-    return torch.cat(sweep(whitebox, prefix, lambda c, batch: batch.states, ids=ids, chunk=chunk,
-                           progress=progress, desc=desc))
+    """mu_{p,v} for every token v of ``ids`` (default: the vocabulary), ``(len(ids), d)`` in that order,
+    written chunk by chunk into one preallocated tensor (peak memory: the table plus one chunk)."""
+    n = whitebox.vocab_size if ids is None else int(torch.as_tensor(ids).numel())
+    out = torch.empty(n, whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
+    filled = [0]
+
+    def write(c: torch.Tensor, batch: CandidateBatch) -> None:
+        out[filled[0] : filled[0] + len(c)] = batch.states
+        filled[0] += len(c)
+
+    sweep(whitebox, prefix, write, ids=ids, chunk=chunk, progress=progress, desc=desc)
+    return out
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ corrupt or of the wrong shape is removed with a warning and rebuilt, never trust
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from sipit import cache
 from sipit.cache import body_key, entry_path, model_key
 from sipit.memo import memoised
+from sipit.resources import FLOAT32, check_room
 from sipit.sweep import sweep_states
 from sipit.whitebox import PrefixCache, WhiteBox
 
@@ -49,6 +51,7 @@ class VocabTable:
     key: str
     seconds: float  # time to build, or to load from disk
     cached: bool  # True when loaded from disk
+    needs: str = ""  # what the build needed (sipit.resources.check_room), when it was built
     _sq_norms: torch.Tensor | None = field(default=None, repr=False)  # ||F_v||^2, on first use
 
     def neg_sq_distances(self, h: torch.Tensor) -> torch.Tensor:
@@ -70,10 +73,15 @@ def table_path(whitebox: WhiteBox, layer: int) -> Path | None:
     return None if key is None else entry_path("tables", f"pos0-{key}-l{layer}.pt")
 
 
-def _row_keys(whitebox: WhiteBox) -> list[bytes]:
-    """Each input-embedding row's bytes: equal keys, equal rows (bit for bit)."""
-    rows = whitebox.embedding.weight.detach().cpu().contiguous()
-    return [row.tobytes() for row in rows.view(rows.shape[0], -1).view(torch.uint8).numpy()]
+def _row_keys(whitebox: WhiteBox, chunk: int = 4096) -> list[bytes]:
+    """A 16-byte digest of each input-embedding row's bytes: equal keys, equal rows (bit for bit, up to a
+    blake2b collision). Read ``chunk`` rows at a time, so no copy of the whole matrix is made."""
+    rows = whitebox.embedding.weight.detach()
+    keys = []
+    for part in rows.split(chunk):
+        data = part.cpu().contiguous().view(torch.uint8).numpy()
+        keys += [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in data]
+    return keys
 
 
 @torch.no_grad()
@@ -81,7 +89,8 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
     """F_v = Phi^l(v)_0 for every v, ``(V, d)``: the distinct input rows swept on the empty prefix
     (incremental steps, also for a WhiteBox that verifies at the served shape: the table ranks, it
     does not verify), each token reading its row's state; rows of the original's table where
-    ``proposals_from`` has the same :func:`sipit.cache.body_key` (module docstring)."""
+    ``proposals_from`` has the same :func:`sipit.cache.body_key` (module docstring). Peak memory: the
+    table, once more only where rows repeat, plus one chunk."""
     whitebox = whitebox.at_served_shape(None)
     keys = _row_keys(whitebox)
     row_of: dict[bytes, int] = {}  # distinct input row -> its index among the distinct rows
@@ -91,21 +100,27 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
             row_of[key] = len(first)
             first.append(token)
     distinct = list(row_of)
-    states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
     todo = list(range(len(distinct)))
     original = whitebox.proposals_from
     same_body = original is not None and body_key(original) is not None and body_key(original) == body_key(whitebox)
+    shared: list[int] = []
     if same_body:
         theirs = {key: token for token, key in enumerate(_row_keys(original))}
         shared = [i for i in todo if distinct[i] in theirs]
-        if shared:
-            table = position_zero_table(original, layer, progress=progress).states
-            states[shared] = table[[theirs[distinct[i]] for i in shared]].to(states)
-            todo = [i for i in todo if distinct[i] not in theirs]
+        todo = [i for i in todo if distinct[i] not in theirs]
+    if not shared and len(distinct) == len(keys):  # every row its own and nothing to borrow: one sweep, no copy
+        return sweep_states(whitebox, whitebox.prefix_cache([], layer), chunk=chunk, progress=progress,
+                            desc=f"position-0 table l={layer}")
+    states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
+    if shared:
+        table = position_zero_table(original, layer, progress=progress).states
+        states[shared] = table[[theirs[distinct[i]] for i in shared]].to(states)
     if todo:
         ids = torch.tensor([first[i] for i in todo], dtype=torch.long)
         states[todo] = sweep_states(whitebox, whitebox.prefix_cache([], layer), ids=ids, chunk=chunk,
                                     progress=progress, desc=f"position-0 table l={layer}")
+    if len(distinct) == len(keys):
+        return states
     return states[torch.tensor([row_of[key] for key in keys], dtype=torch.long, device=whitebox.device)]
 
 
@@ -121,12 +136,17 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
     dtype = whitebox.embedding.weight.dtype
     states = cache.load(path, cache.check_tensor((whitebox.vocab_size, whitebox.d))) if path else None
     cached = states is not None
+    needs = ""
     if states is None:
+        size = whitebox.vocab_size * whitebox.d * FLOAT32
+        needs = check_room(f"the position-0 table of layer {layer} (V={whitebox.vocab_size}, d={whitebox.d})",
+                           memory=2 * size, disk=size if path is not None else 0,
+                           folder=path.parent if path is not None else None)
         states = build_table(whitebox, layer, chunk, progress)
         if path is not None:
             cache.save(states.cpu(), path)
     table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem if path else "",
-                       time.perf_counter() - started, cached)
+                       time.perf_counter() - started, cached, needs)
     whitebox.memo[key] = table
     return table
 

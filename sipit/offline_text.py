@@ -1,7 +1,7 @@
 """Offline English text: a snapshot of CPython 3.11.7's ``pydoc_data.topics``, shipped with the package.
 
 Every offline text of the benchmark comes from here through :func:`pydoc_topics`: the tiny models'
-tokenizer training text (:func:`sipit.models.tiny_tokenizer`), the learned heads' corpus
+tokenizer training text (:mod:`sipit.tiny_tokenizer`), the learned heads' corpus
 (:func:`attacks.corpus.corpus_text`) and the utility text (:mod:`defenses.utility`, :mod:`defenses.uses`).
 A snapshot, not the running interpreter's ``pydoc_data``, so the text and every token id built from it
 are the same on every Python version.

@@ -1,26 +1,25 @@
 """Offline training text for learned attacks: Python's own documentation and random tokens.
 
-The text is ``pydoc_data.topics`` (shipped with every CPython, no network), disjoint from the
-evaluation prompts (benchmarks/data/natural.txt is text written for this project; random-token
-prompts share nothing with any corpus). It is tokenised once (topics in sorted order, joined by
-blank lines) and cut into windows of ``window`` tokens, each its own sequence starting at
-position 0, like a prompt. :func:`random_windows` adds seeded uniformly random token sequences,
-so rare tokens that the documentation never uses are seen too.
+The text is Python's ``pydoc_data.topics`` (CPython 3.11.7's, a snapshot shipped with sipit, no
+network: :mod:`sipit.offline_text`), disjoint from the evaluation prompts (benchmarks/data/natural.txt
+is text written for this project; random-token prompts share nothing with any corpus). It is
+tokenised once (topics in sorted order, joined by blank lines) and cut into windows of ``window``
+tokens, each its own sequence starting at position 0, like a prompt. :func:`random_windows` adds
+seeded uniformly random token sequences, so rare tokens that the documentation never uses are seen too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sipit.offline_text import pydoc_topics
+
 DEFAULT_WINDOW = 64
 
 
 def corpus_text() -> str:
-    """The whole ``pydoc_data.topics`` text, topics in sorted order, joined by blank lines."""
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    """The whole pydoc text (:func:`sipit.offline_text.pydoc_topics`): topics in sorted order, joined by blank lines."""
+    return "\n\n".join(text for _, text in pydoc_topics())
 
 
 def corpus_windows(tokenizer, n_tokens: int, window: int = DEFAULT_WINDOW) -> list[list[int]]:

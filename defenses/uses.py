@@ -6,7 +6,7 @@ clean model's layer-l states of the same text, and is computed by :func:`measure
 
 Text. Held-out ``pydoc_data`` topics (every 5th topic, as :mod:`defenses.utility`: disjoint from the
 tying frequency corpus) that start at least ``TEXT_START`` = 100,000 characters into the head corpus
-(:func:`attacks.corpus.corpus_text`, the topics in the same sorted order): the softmax heads train on
+(:func:`sipit.offline_text.corpus_text`, the topics in the same sorted order): the softmax heads train on
 that corpus's first ``head_tokens`` tokens (4096 in a run, 1024 in a search, ~4 characters a
 token), so the two do not meet. The learned-proposal policy's inverse heads read the whole pydoc
 text (``attacks.proposals``: 150,000 tokens) and no pydoc text is disjoint from them. The evaluation
@@ -76,7 +76,7 @@ from defenses.base import Chain, Defense
 from defenses.pooling import Pooling
 from sipit.memo import memoised
 from sipit.models import LoadedModel
-from sipit.offline_text import pydoc_topics
+from sipit.offline_text import HELD_OUT_EVERY, pydoc_topics
 from sipit.whitebox import WhiteBox
 
 USES = ("embedding_store", "probing")
@@ -91,8 +91,6 @@ CODE_INDENT = "   "
 # --------------------------------------------------------------------------- text and labels
 def uses_text() -> str:
     """The held-out topics that start >= TEXT_START characters into the head corpus, joined by blank lines."""
-    from defenses.utility import HELD_OUT_EVERY
-
     parts, offset = [], 0
     for i, (_, text) in enumerate(pydoc_topics()):
         if i % HELD_OUT_EVERY == 0 and offset >= TEXT_START:

@@ -40,19 +40,8 @@ from defenses.base import Defense
 from defenses.uses import USES, measure_uses
 from sipit.memo import memoised
 from sipit.models import LoadedModel
-from sipit.offline_text import pydoc_topics
+from sipit.offline_text import frequency_text, held_out_text
 from sipit.whitebox import WhiteBox
-
-HELD_OUT_EVERY = 5
-
-
-def held_out_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(pydoc_topics()) if i % HELD_OUT_EVERY == 0)
-
-
-def frequency_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(pydoc_topics()) if i % HELD_OUT_EVERY != 0)
-
 
 @lru_cache(maxsize=8)
 def _encode(tokenizer, which: str) -> torch.Tensor:

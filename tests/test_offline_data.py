@@ -6,9 +6,8 @@ import platform
 import pytest
 import tokenizers
 
-from attacks.corpus import corpus_text
 from defenses.uses import uses_text
-from defenses.utility import frequency_text, held_out_text
+from sipit.offline_text import corpus_text, frequency_text, held_out_text
 from sipit import offline_text, tiny_tokenizer
 from sipit.models import tiny_tokenizer as tiny_hf_tokenizer
 

@@ -136,7 +136,8 @@ def run_search(
     enqueue = _check_enqueue(enqueue or [], config, steps=(attach, report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only)
+                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only,
+                         log=log)
     st = _open_study(store, storage, study, config, existing=attach or report_only, tracking_uri=tracking_uri,
                      track=track, log=log)
     for params in enqueue:

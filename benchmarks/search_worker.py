@@ -45,7 +45,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported below, one line each
     if isinstance(storage, str):
         storage = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                               runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
+                               runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), log=log)
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:

@@ -616,3 +616,57 @@ def test_the_search_budget_sizes_each_decoders_shortlist_and_keeps_its_ranking()
     assert (inexact.ranking, inexact.k_prior, inexact.k_grad, inexact.exact_positions) == ("gradient", 5, 7, 1)
     radius = build("sipit", Exposure(sigma=1.0), budget.options(robust="radius", seed=0, policy="learned"))
     assert radius.name == "nn-heuristic" and radius.scorer.max_candidates == 13
+
+
+def _flags(options: dict) -> list[str]:
+    """``run_search`` keyword options as command-line flags."""
+    return [item for key, value in options.items()
+            for item in (f"--{key.replace('_', '-')}", json.dumps(value) if isinstance(value, dict) else str(value))]
+
+
+def _complete(trials) -> dict[int, float]:
+    return {t.number: t.user_attrs["recovery"] for t in trials if t.state == TrialState.COMPLETE}
+
+
+@pytest.mark.parametrize("cut", [1, 100])
+def test_a_torn_journal_keeps_its_complete_trials_and_the_search_goes_on(tmp_path, cut):
+    """A crash or a full disk during an append leaves a torn last line; the next search appended onto it and
+    from then on nothing could read the journal. It is moved aside, with a warning, before the journal opens."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path, quiet = tmp_path / "t.journal", dict(track=False, out=tmp_path / "out", heartbeat_interval=1, grace_period=2)
+    run_search(str(path), "torn", 3, log=lambda *a, **k: None, **quiet, **FAST)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-cut])
+    readable = optuna.load_study(study_name="torn", storage=JournalStorage(JournalFileBackend(str(path))))
+    kept = _complete(readable.get_trials(deepcopy=False))  # what Optuna still reads: the torn line is not a record
+    torn = len(whole) - cut - (whole[:-cut].rindex(b"\n") + 1)
+    said: list[str] = []
+    result = run_search(str(path), "torn", 3, log=lambda *a, **k: said.append(" ".join(map(str, a))), **quiet, **FAST)
+    warning = [line for line in said if "torn record" in line]
+    backups = list(tmp_path.glob("t.journal.torn-*"))
+    assert len(warning) == 1 and str(path) in warning[0] and f"last {torn} bytes" in warning[0]
+    assert len(backups) == 1 and str(backups[0]) in warning[0]
+    assert backups[0].read_bytes() == whole[len(whole) - cut - torn:-cut]  # the torn line, kept aside
+    after = _trials(str(path), "torn")
+    assert {n: r for n, r in _complete(after).items() if n in kept} == kept  # no completed trial lost
+    assert result["counts"]["COMPLETE"] == 3
+    report = run_search(str(path), "torn", 3, report_only=True, log=lambda *a, **k: None, **quiet, **FAST)["report"]
+    assert report["counts"]["COMPLETE"] == 3
+    assert path.read_bytes().endswith(b"\n") and not list(tmp_path.glob("t.journal.torn-*"))[1:]
+
+
+def test_a_journal_damaged_before_its_last_line_is_refused_and_left_as_it_is(tmp_path):
+    path = tmp_path / "g.journal"
+    run_search(str(path), "g", 2, create_only=True, track=False, log=lambda *a, **k: None, **FAST)
+    lines = path.read_bytes().splitlines(keepends=True)
+    damaged = b"".join([lines[0], b'{"op_code": 5, "worker_id": "x", "stud\n', *lines[1:]])
+    path.write_bytes(damaged)
+    with pytest.raises(SearchUsageError, match=f"journal file {path} is damaged at line 2 "):
+        run_search(str(path), "g", 2, track=False, log=lambda *a, **k: None, out=tmp_path / "out", **FAST)
+    proc = _cli("--storage", str(path), "--study", "g", "--report-only", "--no-tracking", *_flags(FAST))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert f"journal file {path} is damaged at line 2" in proc.stderr
+    assert path.read_bytes() == damaged and not list(tmp_path.glob("g.journal.torn-*"))
+

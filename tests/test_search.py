@@ -670,3 +670,35 @@ def test_a_journal_damaged_before_its_last_line_is_refused_and_left_as_it_is(tmp
     assert f"journal file {path} is damaged at line 2" in proc.stderr
     assert path.read_bytes() == damaged and not list(tmp_path.glob("g.journal.torn-*"))
 
+
+def _mlflow_runs(uri: str) -> list:
+    """Every run in the MLflow store at ``uri``, deleted ones included."""
+    from mlflow.entities import ViewType
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    return client.search_runs(experiments, run_view_type=ViewType.ALL) if experiments else []
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(layer=99), "--layer: layer 99 out of range"),
+    (dict(model="no-such-model"), "--model 'no-such-model': unknown model"),
+    (dict(model="MISSING/model-dir"), "--model 'MISSING/model-dir'"),
+    (dict(prompts="MISSING/prompts.txt"), "--prompts MISSING/prompts.txt"),
+    (dict(length=100000), "--length: 100000 positions, more than the model's context length"),
+])
+def test_a_configuration_the_model_cannot_run_is_refused_before_anything_is_stored(tmp_path, change, flag):
+    """--layer 99 (or a missing model, a missing prompts file, a length past the context) passed the checks:
+    the study and its MLflow parent run (RUNNING for ever) were stored, and the corrected command was refused."""
+    storage, uri = tmp_path / "s.journal", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    missing = str(tmp_path / "missing")
+    change = {k: v.replace("MISSING", missing) if isinstance(v, str) else v for k, v in change.items()}
+    flag = flag.replace("MISSING", missing)
+    proc = _cli("--storage", str(storage), "--study", "s", "--n-trials", "1", "--tracking-uri", uri,
+                *_flags({**FAST, **change}))
+    assert not storage.exists() and not _mlflow_runs(uri)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert flag in proc.stderr
+    run_search(str(storage), "s", 1, create_only=True, tracking_uri=uri, log=lambda *a, **k: None, **FAST)
+    assert [r.info.run_name for r in _mlflow_runs(uri)] == ["search-s"]
+

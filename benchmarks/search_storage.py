@@ -9,6 +9,8 @@ FAILED and its parameters re-queued (:func:`requeue`).
 
 A journal file is checked before it is opened (:func:`check_journal`): a torn last record (a crash or a
 full disk during an append) is moved aside, other damage refused, so no append lands on a partial line.
+Both storages set a study user attribute first-writer-wins (``set_study_user_attr_once``), so commands
+that create the same study at once agree on one configuration and one MLflow parent run.
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ def _heartbeat_journal_class():
         def get_heartbeat_stale_trial_callback(self):
             return self._callback
 
+        def set_study_user_attr_once(self, study_id: int, key: str, make):
+            """The study's user attribute ``key``, set to ``make()`` first if it is absent: a compare-and-set
+            under an exclusive ``flock`` of the journal file (released when the process ends, however it
+            ends; Optuna's appends take their own lock, so setting the attribute here does not wait for it)."""
+            import fcntl
+
+            with open(self._backend._file_path, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                if key not in self.get_study_user_attrs(study_id):
+                    self.set_study_user_attr(study_id, key, make())
+                return self.get_study_user_attrs(study_id)[key]
+
     return HeartbeatJournalStorage
 
 
@@ -118,6 +132,20 @@ def _resilient_rdb_class():
                                    models.TrialModel._datetime_start_utc < cutoff)
                            .all())
             return stale + [trial_id for (trial_id,) in orphans if trial_id not in stale]
+
+        def set_study_user_attr_once(self, study_id: int, key: str, make):
+            """The study's user attribute ``key``, set to ``make()`` first if it is absent. The insert is the
+            compare-and-set: the table's unique (study, key) constraint fails a second one (ignored here), so
+            two processes that both found the attribute absent, and both made a value, return the first one
+            stored; a caller whose value lost undoes what ``make`` did."""
+            from optuna.storages._rdb import models
+            from optuna.storages._rdb.storage import _create_scoped_session
+
+            if key not in self.get_study_user_attrs(study_id):
+                value = json.dumps(make())
+                with _create_scoped_session(self.scoped_session, ignore_integrity_error=True) as session:
+                    session.add(models.StudyUserAttributeModel(study_id=study_id, key=key, value_json=value))
+            return self.get_study_user_attrs(study_id)[key]
 
     return ResilientRDBStorage
 

@@ -702,3 +702,63 @@ def test_a_configuration_the_model_cannot_run_is_refused_before_anything_is_stor
     run_search(str(storage), "s", 1, create_only=True, tracking_uri=uri, log=lambda *a, **k: None, **FAST)
     assert [r.info.run_name for r in _mlflow_runs(uri)] == ["search-s"]
 
+
+RACE = """
+import json, os, sys, time
+from pathlib import Path
+from benchmarks import search_study
+from benchmarks.search import run_search
+
+gates, make_parent = Path(sys.argv[1]), search_study.start_study_run
+
+
+def gate(name, timeout):  # wait for the other command here (at most timeout s)
+    (gates / name).mkdir(exist_ok=True)
+    (gates / name / str(os.getpid())).touch()
+    deadline = time.time() + timeout
+    while len(list((gates / name).iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def slow_parent(*args, **kwargs):  # both commands make the parent run together, as with a slow tracking server
+    gate("parent", 5)
+    return make_parent(*args, **kwargs)
+
+
+search_study.start_study_run = slow_parent
+options = json.loads(sys.argv[2])
+gate("start", 120)
+run_search(**{**options, "out": options["out"] + str(os.getpid())}, log=lambda *a, **k: None)
+"""
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_two_searches_started_at_once_make_one_parent_run(tmp_path, kind):
+    """Two identical plain searches started together each made a parent run: one stayed RUNNING for ever
+    and the trials were split between them."""
+    from mlflow.entities import ViewType
+
+    storage = str(tmp_path / "r.journal") if kind == "journal" else f"sqlite:///{tmp_path / 'optuna.db'}"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_search(storage, "warm", 1, create_only=True, tracking_uri=uri, log=lambda *a, **k: None, **FAST)  # the stores
+    options = json.dumps(dict(storage=storage, study="race", n_trials=2, tracking_uri=uri, out=str(tmp_path / "out"),
+                              **FAST))
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), options], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    study = optuna.load_study(study_name="race", storage=search.open_storage(storage))
+    parent = study.user_attrs[search.PARENT_ATTR]
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("sipit-search").experiment_id
+    parents = [r for r in client.search_runs([experiment], "tags.kind = 'optuna-search'", run_view_type=ViewType.ALL)
+               if r.data.tags["study"] == "race"]
+    alive = [r for r in parents if r.info.lifecycle_stage == "active"]
+    assert [r.info.run_id for r in alive] == [parent] and alive[0].info.status == "FINISHED"
+    assert all(r.info.status == "FAILED" for r in parents if r not in alive)  # a race lost: marked and deleted
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    assert len(complete) == 2
+    for t in complete:
+        assert client.get_run(t.user_attrs["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == parent
+    for other in (r.info.run_id for r in parents if r.info.run_id != parent):  # nothing nested under a lost one
+        assert not client.search_runs([experiment], f"tags.mlflow.parentRunId = '{other}'", run_view_type=ViewType.ALL)

@@ -70,6 +70,7 @@ from attacks.registry import ROBUST
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget, check_given_setting
 from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
 from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
+from benchmarks.search_trial import trial_context
 from benchmarks.search_worker import run_worker
 from benchmarks.tracking import describe_error, redact
 
@@ -124,7 +125,8 @@ def run_search(
     ``{"family": "noise", "noise.sigma": 4.7, "noise.placement": "exposure"}``), each checked against the search
     space and queued once (one already queued or measured is not queued again); they count toward ``n_trials``.
 
-    Everything is validated (options, budget, the tracking store, ``enqueue``) before the study is created.
+    Everything is validated (options, budget, the tracking store, the model and every value it must run:
+    ``search_trial.trial_context``, ``enqueue``) before the storage, the study or its MLflow parent run is created.
     Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``. Raises
     :class:`SearchUsageError` (bad input), :class:`SearchAborted` (a worker died, the storage stayed
     down: rerun to resume) or :class:`SearchInterrupted` (Ctrl-C: running trials re-queued).
@@ -138,10 +140,12 @@ def run_search(
                          tying_method=tying_method, experiment=experiment, bound=bound,
                          policy=policy, startup_trials=startup_trials, robust=robust, max_prompts=max_prompts)
     _check_tracking(tracking_uri, track, creating=not attach)
-    enqueue = _check_enqueue(enqueue or [], config, steps=(attach, report_only))
+    ctx = None if attach or report_only else trial_context(config)  # the model loads here, once
+    enqueue = _check_enqueue(enqueue or [], config, ctx, steps=(attach, report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only)
+                         runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), must_exist=attach or report_only,
+                         log=log)
     st = _open_study(store, storage, study, config, existing=attach or report_only, tracking_uri=tracking_uri,
                      track=track, log=log)
     for params in enqueue:
@@ -156,8 +160,10 @@ def run_search(
             if workers == 1:
                 result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
                                            track=track, heartbeat_interval=heartbeat_interval,
-                                           grace_period=grace_period, storage_wait=storage_wait, out=out_dir, log=log)
+                                           grace_period=grace_period, storage_wait=storage_wait, out=out_dir, ctx=ctx,
+                                           log=log)
             else:
+                ctx = None  # each worker process loads its own model
                 run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
                                      tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
                                      grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
@@ -191,20 +197,15 @@ def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) ->
         raise SearchUsageError(str(err)) from None
 
 
-def _check_enqueue(enqueue: list[dict], config: dict, *, steps: tuple[bool, bool]) -> list[dict]:
-    """The ``enqueue`` settings, each one the search space could draw (search_space.check_given_setting)."""
+def _check_enqueue(enqueue: list[dict], config: dict, ctx, *, steps: tuple[bool, bool]) -> list[dict]:
+    """The ``enqueue`` settings, each one the search space could draw (search_space.check_given_setting)
+    for the model of ``ctx`` (the search's trial context; None when a step neither runs nor creates the study)."""
     if enqueue and any(steps):
         raise SearchUsageError("--enqueue needs the command that runs or creates the study, not --attach or --report-only")
-    vocab_size = 0  # only a tying setting reads it
-    if any("tying" in str(params.get("family", "")).split("+") for params in enqueue):
-        from sipit.models import load_model
-        from sipit.whitebox import WhiteBox
-
-        vocab_size = WhiteBox(load_model(config["model"]).model).vocab_size
     checked = []
     for params in enqueue:
         try:
-            checked.append(check_given_setting(params, config["families"], vocab_size=vocab_size,
+            checked.append(check_given_setting(params, config["families"], vocab_size=ctx.clean_wb.vocab_size,
                                                length=config["length"], sigma_low=config["sigma_low"],
                                                sigma_high=config["sigma_high"], tying_method=config["tying_method"]))
         except ValueError as err:

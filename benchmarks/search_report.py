@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from benchmarks.metrics import clopper_pearson_upper
-from benchmarks.search_runs import PARENT_ATTR, imported_runs, study_runs
+from benchmarks.search_runs import PARENT_ATTR, imported_runs, study_runs, with_retries
 from benchmarks.search_space import UTILITY_USES
 from benchmarks.search_study import CONSTRAINED, stored_config, tokens_needed, trial_counts
 
@@ -322,8 +322,8 @@ def write_report(study, out: Path, *, tracking_uri=None, track: bool = True, log
         runs.relog_pending(study)  # trials whose MLflow logging failed while the server was down
     elif track:  # a study that ran untracked: its runs are made now
         runs = imported_runs(study, tracking_uri=tracking_uri, log=log)
-    if runs is not None:
-        _log_on_parent(runs.tracker, runs.parent_id, report, paths)
+    if runs is not None:  # two commands of one study may log their reports at once (sqlite: a tag inserted twice)
+        with_retries(lambda: _log_on_parent(runs.tracker, runs.parent_id, report, paths), runs.attempts)
     report["text"] = text
     report["out"] = str(out)
     return report

@@ -215,6 +215,13 @@ def start_study_run(tracker: Tracker, study_name: str, config: dict, *, params: 
                                  **(tags or {})})
 
 
+def discard_study_run(tracker: Tracker, run_id: str, kept: str) -> None:
+    """Mark a parent run that lost the race to be the study's FAILED (saying which run is) and delete it."""
+    tracker.set_tag(run_id, "failure", f"another command created the study's parent run first: {kept}")
+    tracker.client.set_terminated(run_id, status="FAILED")
+    tracker.client.delete_run(run_id)
+
+
 def find_study_run(tracker: Tracker, study_name: str, config: dict) -> str | None:
     """The id of the parent run :func:`start_study_run` made for this study and configuration, or None.
 

@@ -153,6 +153,30 @@ class _GivenSetting:
         return value
 
 
+class _Corner:
+    """An Optuna-trial stand-in that draws the low (``end=0``) or the high (``end=-1``) end of every range, and the
+    first or the last choice."""
+
+    def __init__(self, end: int):
+        self.end = end
+
+    def suggest_categorical(self, name: str, choices: list):
+        return choices[self.end]
+
+    def suggest_float(self, name: str, low, high, log: bool = False):
+        return (low, high)[self.end]
+
+    suggest_int = suggest_float
+
+
+def corner_settings(family: str, *, vocab_size: int, length: int, sigma_low: float, sigma_high: float,
+                    tying_method: str = "rare") -> list[tuple[list[str], dict]]:
+    """(registry names, defence params) of ``family`` at both ends of its space (:func:`suggest_setting`): what a
+    search checks against its model before it stores a study."""
+    return [suggest_setting(_Corner(end), [family], vocab_size=vocab_size, length=length, sigma_low=sigma_low,
+                            sigma_high=sigma_high, tying_method=tying_method)[1:] for end in (0, -1)]
+
+
 def check_given_setting(params: dict, families, *, vocab_size: int, length: int, sigma_low: float,
                         sigma_high: float, tying_method: str = "rare") -> dict:
     """``params`` (Optuna names, e.g. ``{"family": "noise", "noise.sigma": 4.7, "noise.placement": "exposure"}``),

@@ -6,10 +6,19 @@ RDBStorage has heartbeats built in (``ResilientRDBStorage`` keeps them beating t
 outage); Optuna 5.1's JournalStorage does not, so ``HeartbeatJournalStorage`` adds them. A trial
 whose heartbeat is older than the grace period is failed by any worker, its MLflow runs are marked
 FAILED and its parameters re-queued (:func:`requeue`).
+
+A journal file is checked before it is opened (:func:`check_journal`): a torn last record (a crash or a
+full disk during an append) is moved aside, other damage refused, so no append lands on a partial line.
+Both storages set a study user attribute first-writer-wins (``set_study_user_attr_once``), so commands
+that create the same study at once agree on one configuration and one MLflow parent run.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -68,6 +77,18 @@ def _heartbeat_journal_class():
         def get_heartbeat_stale_trial_callback(self):
             return self._callback
 
+        def set_study_user_attr_once(self, study_id: int, key: str, make):
+            """The study's user attribute ``key``, set to ``make()`` first if it is absent: a compare-and-set
+            under an exclusive ``flock`` of the journal file (released when the process ends, however it
+            ends; Optuna's appends take their own lock, so setting the attribute here does not wait for it)."""
+            import fcntl
+
+            with open(self._backend._file_path, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                if key not in self.get_study_user_attrs(study_id):
+                    self.set_study_user_attr(study_id, key, make())
+                return self.get_study_user_attrs(study_id)[key]
+
     return HeartbeatJournalStorage
 
 
@@ -111,6 +132,20 @@ def _resilient_rdb_class():
                                    models.TrialModel._datetime_start_utc < cutoff)
                            .all())
             return stale + [trial_id for (trial_id,) in orphans if trial_id not in stale]
+
+        def set_study_user_attr_once(self, study_id: int, key: str, make):
+            """The study's user attribute ``key``, set to ``make()`` first if it is absent. The insert is the
+            compare-and-set: the table's unique (study, key) constraint fails a second one (ignored here), so
+            two processes that both found the attribute absent, and both made a value, return the first one
+            stored; a caller whose value lost undoes what ``make`` did."""
+            from optuna.storages._rdb import models
+            from optuna.storages._rdb.storage import _create_scoped_session
+
+            if key not in self.get_study_user_attrs(study_id):
+                value = json.dumps(make())
+                with _create_scoped_session(self.scoped_session, ignore_integrity_error=True) as session:
+                    session.add(models.StudyUserAttributeModel(study_id=study_id, key=key, value_json=value))
+            return self.get_study_user_attrs(study_id)[key]
 
     return ResilientRDBStorage
 
@@ -156,12 +191,13 @@ def _stale_callback(runs_for):
 
 
 def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int = 30, runs_for=lambda study: None,
-                 must_exist: bool = False):
+                 must_exist: bool = False, log=print):
     """An Optuna storage with heartbeats and stale-trial retry, from a path or URL.
 
     ``runs_for(study)`` gives the study's :class:`TrialRuns` (or None) for the stale-trial callback.
     ``must_exist``: a journal file that is not there is a usage error (attaching to a study or
-    reporting on one), not a new empty journal.
+    reporting on one), not a new empty journal. A journal file is checked first (:func:`check_journal`,
+    whose warning goes to ``log``).
     """
     import optuna
 
@@ -186,10 +222,87 @@ def open_storage(storage: str, *, heartbeat_interval: int = 5, grace_period: int
         if must_exist and not path.exists():
             raise SearchUsageError(f"--storage {storage!r}: no journal file there, so no study to attach to or "
                                    "report on: create the study first (without --attach or --report-only)")
+        if path.exists():
+            check_journal(path, log)
         from optuna.storages.journal import JournalFileBackend
 
         return _heartbeat_journal_class()(JournalFileBackend(str(path)), heartbeat_interval=heartbeat_interval,
                                           grace_period=grace_period, callback=callback)
+
+
+def check_journal(path: Path, log=print) -> None:
+    """Leave the journal file at ``path`` safe to open and append to; SearchUsageError if it cannot be.
+
+    Optuna's reader skips a last line that is torn (no newline, or not a JSON record: what a crash or a
+    full disk during an append leaves), and its next append goes straight onto it, after which nothing
+    can read the journal. A torn last line is moved to ``<path>.torn-<time>``, the complete records
+    before it are kept and ``log`` gets one warning line. An invalid line with records after it is no
+    torn append: SearchUsageError naming the file and the line, the file left as it is. The repair
+    holds the journal's own lock (Optuna's JournalFileSymlinkLock, which every append takes), so it
+    never races a live writer; a lock left by a dead writer is broken after Optuna's grace period, as
+    that writer's next append would break it.
+    """
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if _journal_damage(path) is None:  # the usual case, without waiting for the lock
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        damage = _journal_damage(path)  # again, now that no append can be under way
+        if damage is not None:
+            _move_torn_tail(path, *damage, log)
+    finally:
+        lock.release()
+
+
+def _journal_damage(path: Path) -> tuple[bytes, int, int] | None:
+    """``(content, number, offset)`` of the journal's first line (1-based, byte offset) that is not a JSON
+    record ending in a newline, or None when every line is one."""
+    data = path.read_bytes()
+    offset = 0
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        complete = offset + len(line) < len(data)  # a newline follows
+        if (line or complete) and not (complete and _is_record(line)):
+            return data, number, offset
+        offset += len(line) + 1
+    return None
+
+
+def _is_record(line: bytes) -> bool:
+    """Is ``line`` one of Optuna's journal records (a JSON object with an ``op_code``)?"""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "op_code" in record
+
+
+def _move_torn_tail(path: Path, data: bytes, number: int, offset: int, log) -> None:
+    """Cut the journal at ``offset``, the start of its bad line ``number``, once the bytes from there are
+    safe in a new ``<path>.torn-<time>`` file; SearchUsageError, and nothing changed, if line ``number``
+    is not the last one."""
+    if data.find(b"\n", offset) not in (-1, len(data) - 1):
+        raise SearchUsageError(f"journal file {path} is damaged at line {number} (not a JSON journal record, and "
+                               "records follow it): nothing was written to it; restore it from a backup, or keep "
+                               f"its first {number - 1} lines in a new file and give that to --storage")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count():
+        backup = Path(f"{path}.torn-{stamp}{f'-{n}' if n else ''}")
+        try:
+            with open(backup, "xb") as handle:
+                handle.write(data[offset:])
+                handle.flush()
+                os.fsync(handle.fileno())
+            break
+        except FileExistsError:
+            continue
+    with open(path, "r+b") as handle:
+        handle.truncate(offset)
+        os.fsync(handle.fileno())
+    log(f"[search] warning: journal file {path} ended in a torn record (a crash or a full disk during a write): "
+        f"its last {len(data) - offset} bytes were moved to {backup}; the {number - 1} complete records before "
+        "them are kept", file=sys.stderr)
 
 
 def storage_down(study) -> bool:

@@ -13,7 +13,7 @@ import json
 import math
 
 from benchmarks.search_errors import SearchUsageError
-from benchmarks.search_runs import PARENT_ATTR, start_study_run
+from benchmarks.search_runs import PARENT_ATTR, discard_study_run, start_study_run
 from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTILITY_USES, AttackBudget
 
 MODES = ("constrained", "pareto")
@@ -130,25 +130,33 @@ def make_sampler(config: dict, worker: int, attach_count: int = 0):
 
 
 def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
-    """Create the study (or load it, checking the config agrees) and its MLflow parent run."""
+    """Create the study (or load it, checking the config agrees) and its MLflow parent run.
+
+    ``storage`` comes from ``search_storage.open_storage``: the configuration and the parent run id are
+    set first-writer-wins (its ``set_study_user_attr_once``), so commands that create the same study at
+    once agree on both; a parent run made by a command that lost the race is marked FAILED and deleted."""
     import optuna
 
     directions = ["minimize", "minimize"] if config["mode"] == "pareto" else ["minimize"]
     study = optuna.create_study(study_name=study_name, storage=storage, directions=directions, load_if_exists=True,
                                 sampler=make_sampler(config, 0))
-    stored = study.user_attrs.get("config")
-    if stored is None:
-        study.set_user_attr("config", config)
-    else:
-        check_same_config(stored, config)
-    if track and study.user_attrs.get(PARENT_ATTR) is None:
+    check_same_config(storage.set_study_user_attr_once(study._study_id, "config", lambda: config), config)
+    if track:
         from benchmarks.tracking import Tracker, git_commit, package_versions
 
-        tracker = Tracker(tracking_uri, config["experiment"])
-        parent = start_study_run(tracker, study_name, config, params={"packages": package_versions()},
-                                 tags={"git_commit": git_commit()})
-        study.set_user_attr(PARENT_ATTR, parent)
-        study.set_user_attr("tracking_uri", tracker.uri)
+        made: list[tuple[Tracker, str]] = []
+
+        def new_parent() -> str:
+            tracker = Tracker(tracking_uri, config["experiment"])
+            made.append((tracker, start_study_run(tracker, study_name, config, params={"packages": package_versions()},
+                                                  tags={"git_commit": git_commit()})))
+            study.set_user_attr("tracking_uri", tracker.uri)  # before the parent run id: whoever reads one has both
+            return made[-1][1]
+
+        parent = storage.set_study_user_attr_once(study._study_id, PARENT_ATTR, new_parent)
+        for tracker, run_id in made:
+            if run_id != parent:
+                discard_study_run(tracker, run_id, parent)
     return study
 
 

@@ -21,30 +21,58 @@ def trial_context(config: dict):
     """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``.
 
     The prompts are the ``n_prompts`` of the first stage, then those of the ``max_prompts`` set (same
-    seed) that are not among them: a trial whose first stage shows no leak attacks them too."""
+    seed) that are not among them: a trial whose first stage shows no leak attacks them too.
+    Every value the model cannot run is a SearchUsageError naming its flag: the model, the layer, the
+    length (its context), the utility tokens (its held-out text), the prompts and the ends of each
+    family's range; the search builds this before it stores a study (benchmarks.search.run_search)."""
     from benchmarks.prompts import named_prompt_set
     from benchmarks.search_space import TrialContext
+    from defenses.utility import held_out_ids
     from sipit.models import load_model
     from sipit.whitebox import WhiteBox
 
-    loaded = load_model(config["model"])
-    layer = WhiteBox(loaded.model).resolve_layer(config["layer"])
+    loaded = _checked(lambda: load_model(config["model"]), f"--model {config['model']!r}")
+    wb = WhiteBox(loaded.model)
+    layer = _checked(lambda: wb.resolve_layer(config["layer"]), "--layer")
+    _checked(lambda: wb.check_length(config["length"], "--length"))
+    _checked(lambda: held_out_ids(loaded.tokenizer, config["utility_tokens"], config["seed"]), "--utility-tokens")
 
     def prompt_ids(n: int) -> list[list[int]]:
-        try:
-            prompts = named_prompt_set(config["prompts"], loaded.tokenizer, n, length=config["length"],
-                                       seed=config["seed"])
-        except ValueError as err:
-            raise SearchUsageError(f"--prompts {config['prompts']}: {err}") from None
+        prompts = _checked(lambda: named_prompt_set(config["prompts"], loaded.tokenizer, n, length=config["length"],
+                                                    seed=config["seed"]), f"--prompts {config['prompts']}")
         return [p.ids for p in prompts if p.ids]
 
     first = prompt_ids(config["n_prompts"])
+    if not first:
+        raise SearchUsageError(f"--prompts {config['prompts']}: no prompt in it")
     more = prompt_ids(config["max_prompts"]) if config["max_prompts"] > config["n_prompts"] else []
-    return TrialContext(loaded, layer, first + [ids for ids in more if ids not in first], first_stage=len(first),
-                        threshold=config["threshold"], bound=config["bound"], seed=config["seed"],
-                        utility_tokens=config["utility_tokens"],
-                        attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
-                        utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
+    ctx = TrialContext(loaded, layer, first + [ids for ids in more if ids not in first], first_stage=len(first),
+                       threshold=config["threshold"], bound=config["bound"], seed=config["seed"],
+                       utility_tokens=config["utility_tokens"],
+                       attacks=config["attacks"], budget=AttackBudget(**config["budget"]),
+                       utility_use=config["utility_use"], policy=config["policy"], robust=config["robust"])
+    _check_families(ctx, config)
+    return ctx
+
+
+def _checked(make, flag: str = ""):
+    """``make()``; what it refuses (ValueError, an unreadable file, a missing package) a SearchUsageError,
+    prefixed with ``flag``."""
+    try:
+        return make()
+    except (ValueError, OSError, ImportError) as err:
+        raise SearchUsageError(f"{flag}: {err}" if flag else str(err)) from None
+
+
+def _check_families(ctx, config: dict) -> None:
+    """Each family's defence at both ends of its range fits the model (``Defense.check_model``)."""
+    from benchmarks.search_space import corner_settings
+
+    for family in config["families"]:
+        for names, params in corner_settings(family, vocab_size=ctx.clean_wb.vocab_size, length=config["length"],
+                                             sigma_low=config["sigma_low"], sigma_high=config["sigma_high"],
+                                             tying_method=config["tying_method"]):
+            _checked(lambda: ctx.chain(names, params).check_model(ctx.loaded), f"--families {family} ({params})")
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):

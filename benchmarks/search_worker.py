@@ -33,8 +33,11 @@ class StorageLost(BaseException):
 
 def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, tracking_uri=None, track: bool = True,
                heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, storage_wait: float = 120.0,
-               out: str | Path | None = None, log=print) -> int:
+               out: str | Path | None = None, ctx=None, log=print) -> int:
     """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran.
+
+    ``ctx``: the trial context of the study's configuration if the caller built it already (run_search does,
+    to check the configuration), else built here (``search_trial.trial_context``).
 
     A storage outage: the worker retries with backoff for up to ``storage_wait`` s (then SearchAborted)
     and re-queues the trial it was running. Ctrl-C: the running trial FAILs, is re-queued and its
@@ -45,7 +48,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported below, one line each
     if isinstance(storage, str):
         storage = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                               runs_for=lambda s: runs_or_none(s, tracking_uri, track, log))
+                               runs_for=lambda s: runs_or_none(s, tracking_uri, track, log), log=log)
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
@@ -55,7 +58,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     study.sampler = make_sampler(config, worker, len(study.get_trials(deepcopy=False)))
     runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study_name}")
-    ctx = trial_context(config)
+    ctx = trial_context(config) if ctx is None else ctx
     who = process_name()
     study.set_user_attr(f"worker:{who}", time.time())  # who attached to the study, and when
     objective = make_objective(study, config, ctx, runs, n_trials=n_trials, worker=worker, who=who, out_dir=out_dir,

@@ -616,3 +616,149 @@ def test_the_search_budget_sizes_each_decoders_shortlist_and_keeps_its_ranking()
     assert (inexact.ranking, inexact.k_prior, inexact.k_grad, inexact.exact_positions) == ("gradient", 5, 7, 1)
     radius = build("sipit", Exposure(sigma=1.0), budget.options(robust="radius", seed=0, policy="learned"))
     assert radius.name == "nn-heuristic" and radius.scorer.max_candidates == 13
+
+
+def _flags(options: dict) -> list[str]:
+    """``run_search`` keyword options as command-line flags."""
+    return [item for key, value in options.items()
+            for item in (f"--{key.replace('_', '-')}", json.dumps(value) if isinstance(value, dict) else str(value))]
+
+
+def _complete(trials) -> dict[int, float]:
+    return {t.number: t.user_attrs["recovery"] for t in trials if t.state == TrialState.COMPLETE}
+
+
+@pytest.mark.parametrize("cut", [1, 100])
+def test_a_torn_journal_keeps_its_complete_trials_and_the_search_goes_on(tmp_path, cut):
+    """A crash or a full disk during an append leaves a torn last line; the next search appended onto it and
+    from then on nothing could read the journal. It is moved aside, with a warning, before the journal opens."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path, quiet = tmp_path / "t.journal", dict(track=False, out=tmp_path / "out", heartbeat_interval=1, grace_period=2)
+    run_search(str(path), "torn", 3, log=lambda *a, **k: None, **quiet, **FAST)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-cut])
+    readable = optuna.load_study(study_name="torn", storage=JournalStorage(JournalFileBackend(str(path))))
+    kept = _complete(readable.get_trials(deepcopy=False))  # what Optuna still reads: the torn line is not a record
+    torn = len(whole) - cut - (whole[:-cut].rindex(b"\n") + 1)
+    said: list[str] = []
+    result = run_search(str(path), "torn", 3, log=lambda *a, **k: said.append(" ".join(map(str, a))), **quiet, **FAST)
+    warning = [line for line in said if "torn record" in line]
+    backups = list(tmp_path.glob("t.journal.torn-*"))
+    assert len(warning) == 1 and str(path) in warning[0] and f"last {torn} bytes" in warning[0]
+    assert len(backups) == 1 and str(backups[0]) in warning[0]
+    assert backups[0].read_bytes() == whole[len(whole) - cut - torn:-cut]  # the torn line, kept aside
+    after = _trials(str(path), "torn")
+    assert {n: r for n, r in _complete(after).items() if n in kept} == kept  # no completed trial lost
+    assert result["counts"]["COMPLETE"] == 3
+    report = run_search(str(path), "torn", 3, report_only=True, log=lambda *a, **k: None, **quiet, **FAST)["report"]
+    assert report["counts"]["COMPLETE"] == 3
+    assert path.read_bytes().endswith(b"\n") and not list(tmp_path.glob("t.journal.torn-*"))[1:]
+
+
+def test_a_journal_damaged_before_its_last_line_is_refused_and_left_as_it_is(tmp_path):
+    path = tmp_path / "g.journal"
+    run_search(str(path), "g", 2, create_only=True, track=False, log=lambda *a, **k: None, **FAST)
+    lines = path.read_bytes().splitlines(keepends=True)
+    damaged = b"".join([lines[0], b'{"op_code": 5, "worker_id": "x", "stud\n', *lines[1:]])
+    path.write_bytes(damaged)
+    with pytest.raises(SearchUsageError, match=f"journal file {path} is damaged at line 2 "):
+        run_search(str(path), "g", 2, track=False, log=lambda *a, **k: None, out=tmp_path / "out", **FAST)
+    proc = _cli("--storage", str(path), "--study", "g", "--report-only", "--no-tracking", *_flags(FAST))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert f"journal file {path} is damaged at line 2" in proc.stderr
+    assert path.read_bytes() == damaged and not list(tmp_path.glob("g.journal.torn-*"))
+
+
+def _mlflow_runs(uri: str) -> list:
+    """Every run in the MLflow store at ``uri``, deleted ones included."""
+    from mlflow.entities import ViewType
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    return client.search_runs(experiments, run_view_type=ViewType.ALL) if experiments else []
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(layer=99), "--layer: layer 99 out of range"),
+    (dict(model="no-such-model"), "--model 'no-such-model': unknown model"),
+    (dict(model="MISSING/model-dir"), "--model 'MISSING/model-dir'"),
+    (dict(prompts="MISSING/prompts.txt"), "--prompts MISSING/prompts.txt"),
+    (dict(length=100000), "--length: 100000 positions, more than the model's context length"),
+])
+def test_a_configuration_the_model_cannot_run_is_refused_before_anything_is_stored(tmp_path, change, flag):
+    """--layer 99 (or a missing model, a missing prompts file, a length past the context) passed the checks:
+    the study and its MLflow parent run (RUNNING for ever) were stored, and the corrected command was refused."""
+    storage, uri = tmp_path / "s.journal", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    missing = str(tmp_path / "missing")
+    change = {k: v.replace("MISSING", missing) if isinstance(v, str) else v for k, v in change.items()}
+    flag = flag.replace("MISSING", missing)
+    proc = _cli("--storage", str(storage), "--study", "s", "--n-trials", "1", "--tracking-uri", uri,
+                *_flags({**FAST, **change}))
+    assert not storage.exists() and not _mlflow_runs(uri)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert flag in proc.stderr
+    run_search(str(storage), "s", 1, create_only=True, tracking_uri=uri, log=lambda *a, **k: None, **FAST)
+    assert [r.info.run_name for r in _mlflow_runs(uri)] == ["search-s"]
+
+
+RACE = """
+import json, os, sys, time
+from pathlib import Path
+from benchmarks import search_study
+from benchmarks.search import run_search
+
+gates, make_parent = Path(sys.argv[1]), search_study.start_study_run
+
+
+def gate(name, timeout):  # wait for the other command here (at most timeout s)
+    (gates / name).mkdir(exist_ok=True)
+    (gates / name / str(os.getpid())).touch()
+    deadline = time.time() + timeout
+    while len(list((gates / name).iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def slow_parent(*args, **kwargs):  # both commands make the parent run together, as with a slow tracking server
+    gate("parent", 5)
+    return make_parent(*args, **kwargs)
+
+
+search_study.start_study_run = slow_parent
+options = json.loads(sys.argv[2])
+gate("start", 120)
+run_search(**{**options, "out": options["out"] + str(os.getpid())}, log=lambda *a, **k: None)
+"""
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_two_searches_started_at_once_make_one_parent_run(tmp_path, kind):
+    """Two identical plain searches started together each made a parent run: one stayed RUNNING for ever
+    and the trials were split between them."""
+    from mlflow.entities import ViewType
+
+    storage = str(tmp_path / "r.journal") if kind == "journal" else f"sqlite:///{tmp_path / 'optuna.db'}"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_search(storage, "warm", 1, create_only=True, tracking_uri=uri, log=lambda *a, **k: None, **FAST)  # the stores
+    options = json.dumps(dict(storage=storage, study="race", n_trials=2, tracking_uri=uri, out=str(tmp_path / "out"),
+                              **FAST))
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), options], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    study = optuna.load_study(study_name="race", storage=search.open_storage(storage))
+    parent = study.user_attrs[search.PARENT_ATTR]
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("sipit-search").experiment_id
+    parents = [r for r in client.search_runs([experiment], "tags.kind = 'optuna-search'", run_view_type=ViewType.ALL)
+               if r.data.tags["study"] == "race"]
+    alive = [r for r in parents if r.info.lifecycle_stage == "active"]
+    assert [r.info.run_id for r in alive] == [parent] and alive[0].info.status == "FINISHED"
+    assert all(r.info.status == "FAILED" for r in parents if r not in alive)  # a race lost: marked and deleted
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    assert len(complete) == 2
+    for t in complete:
+        assert client.get_run(t.user_attrs["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == parent
+    for other in (r.info.run_id for r in parents if r.info.run_id != parent):  # nothing nested under a lost one
+        assert not client.search_runs([experiment], f"tags.mlflow.parentRunId = '{other}'", run_view_type=ViewType.ALL)

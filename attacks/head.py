@@ -145,7 +145,7 @@ def train_head(
     *,
     vocab_size: int,
     epochs: int = 3,
-    min_steps: int = 1000,
+    min_steps: int = 0,
     batch_size: int = 512,
     negatives: int = 4096,
     lr: float = 3e-3,

@@ -87,7 +87,9 @@ RUN_PINNED = ("--policy", "gradient", "--attacks", "sipit,softmax-head", "--marg
 #: main job's decoder under noise (--robust radius; map since 2026-12-06); the search's threshold then
 #: applied to the point estimate (--bound point), its SipIt ordered candidates by the gradient
 #: (--policy gradient) and its decoder under noise was the radius stop (--robust radius; map since 2026-12-06)
-PINNED = {"run": RUN_PINNED, "search": ("--bound", "point", "--policy", "gradient", "--robust", "radius")}
+PINNED = {"run": RUN_PINNED, "search": ("--bound", "point", "--policy", "gradient", "--robust", "radius"),
+          # the radius decoder's order was the gradient policy when the noise case was recorded (learned since)
+          "noise": ("--policy", "gradient")}
 #: bitsandbytes' CPU 4-bit kernels round differently on different CPUs: the same commit (5190fb1) gave
 #: an nf4-served tiny-llama perplexity 0.017% apart and states 0.5% apart (state_rel_l2 0.2159 vs
 #: 0.2150) on the recording machine and on an AMD EPYC without AVX-512. Recovered ids are unaffected.

@@ -66,7 +66,7 @@ CASES = [
     (invert.main, [LONG_TEXT] + TINY, "positions, more than the model's context length of 256 tokens: "
                                       "shorten it or keep its first tokens with --max-tokens 256"),
     (run.main, TINY + ["--defense", "tying", "--tie-groups", "100000", "--no-tracking"],
-     "--defense tying: groups=100000 exceeds the vocabulary size 512"),
+     "--defense tying:groups=100000: groups=100000 exceeds the vocabulary size 512"),
     (run.main, TINY + ["--prompts", "random", "--length", "300", "--no-tracking"], "--length: 300 positions"),
     (run.main, TINY + ["--defense", "noise", "--sigma", "nan"], "argument --sigma: must be a finite number >= 0"),
     (run.main, TINY + ["--n-prompts", "0"], "argument --n-prompts: must be an integer >= 1, got 0"),

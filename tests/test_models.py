@@ -45,7 +45,7 @@ def test_gguf_magic_is_what_counts_not_the_suffix(tmp_path):
 
 
 def test_unknown_name_lists_the_registry():
-    with pytest.raises(ModelLoadError, match=r"unknown model 'does-not-exist': use one of \['smollm2-135m'"):
+    with pytest.raises(ModelLoadError, match=r"unknown model 'does-not-exist': use one of \['gemma3-270m', 'smollm2-135m'"):
         load_model("does-not-exist")
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from attacks.policies import POLICIES
 from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
 from benchmarks.cli import (arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once,
@@ -117,7 +118,7 @@ def decoders(sigma: float, args) -> list:
     table = {"exact_positions": args.table_positions} if args.table_positions is not None else {}
     options = AttackOptions(beam_width=args.width, beam_early_width=args.early_width,
                             beam_early_positions=args.early_positions, beam_refine_k=args.refine_k,
-                            prior_mix=args.prior_mix,
+                            prior_mix=args.prior_mix, policy=args.policy,
                             max_candidates=args.k_prior + args.rounds * args.k_grad,
                             shortlist=dict(k_prior=args.k_prior, k_grad=args.k_grad, rounds=args.rounds,
                                            ranking=args.ranking, n_fit=args.n_fit, k_proxy=args.k_proxy,
@@ -465,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table-positions", type=arg(check_int, low=0), default=None,
                     help="positions the shortlist decoders' best hypothesis scores over the whole vocabulary "
                          "(default: 1 for the learned rankings, 2 for the others)")
+    ap.add_argument("--policy", default=AttackOptions.policy, choices=sorted(POLICIES),
+                    help="candidate order of the radius decoder (nn-heuristic): learned, gradient or random")
     ap.add_argument("--ranking", default="surrogate", choices=RANKINGS, help="how the shortlist is ranked")
     ap.add_argument("--n-fit", type=count, default=1536, help="tokens the linear surrogate is fitted on")
     ap.add_argument("--k-proxy", type=count, default=128, help="surrogate-ranked tokens verified per round")

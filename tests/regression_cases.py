@@ -143,6 +143,10 @@ class Case:
 
 CASES: list[Case] = [
     # ---------------------------------------------------------------- the main job (benchmarks.run)
+    # Every run case was re-recorded (commit "Re-record the run cases", recorded from its parent's code)
+    # when the softmax head moved to the inverse heads' corpus code path (corpus states batched and cached, 5% of
+    # windows held out, sampled softmax): only the softmax-head and heads.* fields changed; SipIt's did not.
+    # run-smollm2-noise-last also gained the position-0 margins its recording (older than 6b6ec67) lacked.
     Case("run-tiny-llama-noise-l1", "run", ("--model", "tiny-llama", "--layer", "1", "--defense", "noise",
                                             "--sigma", "0.01", *RUN_COMMON), ci=True),
     Case("run-tiny-llama-none-last", "run", ("--model", "tiny-llama", "--layer", "-1", "--defense", "none",

@@ -173,7 +173,7 @@ def unit_embeddings(whitebox: WhiteBox, chunk: int = 8192) -> torch.Tensor:
     ``chunk`` tokens at a time and memoised per WhiteBox: every head of the model shares one matrix."""
 
     def build() -> torch.Tensor:
-        out = torch.empty(whitebox.vocab_size, whitebox.d)
+        out = torch.empty(whitebox.vocab_size, whitebox.hidden_size)
         with torch.no_grad():
             for ids in torch.arange(whitebox.vocab_size).split(chunk):
                 rows = whitebox.embed(ids.to(whitebox.device)).float().cpu()

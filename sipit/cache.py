@@ -79,15 +79,17 @@ def _forward_changes(whitebox: WhiteBox) -> tuple[str, ...] | None:
 
 def model_key(whitebox: WhiteBox) -> str | None:
     """The identity of the function the model computes: its parameters and buffers (names, shapes, dtypes,
-    bytes) and its keyed forward changes; None while a forward change is random (nothing is cached).
+    bytes), its keyed forward changes and its exposure; None while a forward change is random (nothing is
+    cached).
 
     Hashing every byte costs about a second per 135M parameters; memoised per WhiteBox and set of changes."""
     changes = _forward_changes(whitebox)
     if changes is None:
         return None
     model = whitebox.model
-    return memoised(whitebox, "model-key", changes, lambda: _hash_tensors(
+    key = memoised(whitebox, "model-key", changes, lambda: _hash_tensors(
         list(model.named_parameters()) + list(model.named_buffers()), changes))
+    return _with_exposure(key, whitebox)
 
 
 def body_key(whitebox: WhiteBox) -> str | None:
@@ -100,7 +102,13 @@ def body_key(whitebox: WhiteBox) -> str | None:
     rows = whitebox.embedding.weight
     named = [(n, t) for n, t in list(whitebox.base.named_parameters()) + list(whitebox.base.named_buffers())
              if t is not rows]
-    return memoised(whitebox, "body-key", changes, lambda: _hash_tensors(named, changes))
+    return _with_exposure(memoised(whitebox, "body-key", changes, lambda: _hash_tensors(named, changes)), whitebox)
+
+
+def _with_exposure(key: str, whitebox: WhiteBox) -> str:
+    """The key of what ``whitebox`` exposes: the residual stream's is the model's own, another exposure's is
+    suffixed with its name (``-kv``), so a table of K/V rows never stands in for one of residual states."""
+    return key if whitebox.exposure == "residual" else f"{key}-{whitebox.exposure}"
 
 
 def entry_path(family: str, name: str) -> Path:

@@ -112,11 +112,29 @@ def _read_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF file dequantised to fp32, through a safetensors cache keyed by the file.
+def _save_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """``save_pretrained`` of model and tokenizer into ``folder``, whole or not at all: built in a staging folder
+    and renamed into place; an interrupted build (Ctrl-C, an error) removes its staging folder, one killed
+    outright is removed by the next build (sipit.cache.remove_stale_partials)."""
+    remove_stale_partials(folder.parent)
+    staging = staging_dir(folder.parent)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)  # atomic
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
-    The cache folder is built in a staging folder and renamed into place whole: an interrupted build
-    (Ctrl-C, an error) removes its staging folder, and one killed outright is removed by the next load."""
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a GGUF file dequantised, through safetensors caches keyed by the file: the fp32 dequantisation,
+    and for bf16 / fp16 a copy in that dtype, so a served-precision load reads its weights memory-mapped in
+    their own dtype (no fp32 copy; the conversion is paid once, when the copy is made)."""
     cached = cache_dir() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if not (cached / "config.json").is_file():
         model, tokenizer = _read_gguf(path)
@@ -124,19 +142,13 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.config.architectures = [type(model).__name__]
-        remove_stale_partials(cached.parent)
-        staging = staging_dir(cached.parent)
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            os.replace(staging, cached)  # atomic: an interrupted save leaves no half cache
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            if not (cached / "config.json").is_file():
-                raise
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        _save_folder(model, tokenizer, cached)
+        del model
+    if dtype != torch.float32:
+        in_dtype = cached.with_name(f"{cached.name}-{DTYPE_NAMES[dtype]}")
+        if not (in_dtype / "config.json").is_file():
+            _save_folder(*_load_pretrained(str(cached), dtype), in_dtype)
+        cached = in_dtype
     return _load_pretrained(str(cached), dtype)
 
 
@@ -194,8 +206,8 @@ def _tiny(config_factory: Callable[..., object], seed: int, dtype: torch.dtype):
     config = config_factory(len(tokenizer), bos_token_id=special, eos_token_id=special, pad_token_id=special)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model, tokenizer
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(dtype), tokenizer  # the same weights in every dtype: the fp32 ones, rounded
 
 
 def _tiny_gpt2_config(vocab: int, **special: int) -> GPT2Config:
@@ -224,16 +236,49 @@ REGISTRY: dict[str, str] = {
 }
 
 
+#: --dtype names -> the precision the provider computes in
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A ``--dtype`` name (fp32, bf16, fp16) or a torch dtype among them; anything else is a ModelLoadError."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` -> CUDA when present, else MPS when present, else the CPU; a named device that is not there
+    is a one-line ModelLoadError (never a silent fall back to the CPU)."""
+    name = str(device).split(":")[0]
+    if name not in DEVICES:
+        raise ModelLoadError(f"device must be one of {', '.join(DEVICES)} (cuda:N for a GPU), got {device!r}")
+    mps = getattr(torch.backends, "mps", None)
+    has = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps is not None and mps.is_available()}
+    if name == "auto":
+        return torch.device("cuda" if has["cuda"] else "mps" if has["mps"] else "cpu")
+    if not has[name]:
+        raise ModelLoadError(f"device {device!r} is not available on this machine (use --device cpu or auto)")
+    return torch.device(device)
+
+
 def load_model(
-    name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, seed: int = 0
+    name_or_path: str = DEFAULT_MODEL, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    seed: int = 0,
 ) -> LoadedModel:
-    """Load a causal LM in eval mode.
+    """Load a causal LM in eval mode, in ``dtype`` (the served precision: fp32, bf16, fp16) on ``device``.
 
     ``name_or_path`` is a registry name (:data:`REGISTRY`), a local HF model directory, a local
     GGUF file or a hub id (``org/name``, from the local HF cache only: nothing is downloaded).
-    ``seed`` only affects the random-initialised tiny models. Anything else raises
-    :class:`ModelLoadError` (a :class:`SipitInputError`) with a one-line reason.
+    Weights are read tensor by tensor in ``dtype`` (safetensors, memory-mapped): no fp32 copy of a bf16
+    model is held. ``seed`` only affects the random-initialised tiny models (initialised in fp32, then
+    cast). Anything else raises :class:`ModelLoadError` (a :class:`SipitInputError`) with a one-line reason.
     """
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
     if name_or_path == "smollm2-135m":
         model, tokenizer = _load_gguf(smollm2_gguf_path(), dtype)
     elif name_or_path == "gemma3-270m":
@@ -255,6 +300,7 @@ def load_model(
                 f"unknown model {name_or_path!r}: use one of {sorted(REGISTRY)}, "
                 "a local HF model directory, a .gguf file or a hub id like org/name (from the local HF cache)"
             )
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)

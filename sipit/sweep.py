@@ -69,7 +69,7 @@ def sweep_states(whitebox: WhiteBox, prefix: PrefixCache, *, ids: torch.Tensor |
     """mu_{p,v} for every token v of ``ids`` (default: the vocabulary), ``(len(ids), d)`` in that order,
     written chunk by chunk into one preallocated tensor (peak memory: the table plus one chunk)."""
     n = whitebox.vocab_size if ids is None else int(torch.as_tensor(ids).numel())
-    out = torch.empty(n, whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
+    out = torch.empty(n, whitebox.d, dtype=torch.float32, device=whitebox.device)
     filled = [0]
 
     def write(c: torch.Tensor, batch: CandidateBatch) -> None:
@@ -87,6 +87,6 @@ def sweep_distances(whitebox: WhiteBox, prefix: PrefixCache, target: torch.Tenso
 
     The distances are taken chunk by chunk: no ``(V, d)`` table is held.
     """
-    target = target.to(device=whitebox.device, dtype=whitebox.embedding.weight.dtype)
+    target = target.to(device=whitebox.device, dtype=torch.float32)
     parts = sweep(whitebox, prefix, lambda c, batch: (batch.states - target).norm(dim=-1).float(), ids=ids, chunk=chunk)
     return torch.cat(parts)

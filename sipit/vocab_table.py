@@ -111,7 +111,7 @@ def build_table(whitebox: WhiteBox, layer: int, chunk: int = 1024, progress: boo
     if not shared and len(distinct) == len(keys):  # every row its own and nothing to borrow: one sweep, no copy
         return sweep_states(whitebox, whitebox.prefix_cache([], layer), chunk=chunk, progress=progress,
                             desc=f"position-0 table l={layer}")
-    states = torch.empty(len(distinct), whitebox.d, dtype=whitebox.embedding.weight.dtype, device=whitebox.device)
+    states = torch.empty(len(distinct), whitebox.d, dtype=torch.float32, device=whitebox.device)
     if shared:
         table = position_zero_table(original, layer, progress=progress).states
         states[shared] = table[[theirs[distinct[i]] for i in shared]].to(states)
@@ -133,7 +133,6 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
         return whitebox.memo[key]
     started = time.perf_counter()
     path = table_path(whitebox, layer) if use_disk else None
-    dtype = whitebox.embedding.weight.dtype
     states = cache.load(path, cache.check_tensor((whitebox.vocab_size, whitebox.d))) if path else None
     cached = states is not None
     needs = ""
@@ -145,7 +144,7 @@ def position_zero_table(whitebox: WhiteBox, layer: int, *, use_disk: bool = True
         states = build_table(whitebox, layer, chunk, progress)
         if path is not None:
             cache.save(states.cpu(), path)
-    table = VocabTable(states.to(device=whitebox.device, dtype=dtype), layer, path.stem if path else "",
+    table = VocabTable(states.to(device=whitebox.device, dtype=torch.float32), layer, path.stem if path else "",
                        time.perf_counter() - started, cached, needs)
     whitebox.memo[key] = table
     return table

@@ -86,11 +86,22 @@ def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
     return lists[0]
 
 
-class WhiteBox:
-    """Phi^l for one causal LM: states, prefix caches, batched candidate steps, relaxed steps."""
+EXPOSURES = ("residual", "kv")
 
-    def __init__(self, model: PreTrainedModel, proposals_from: "WhiteBox | None" = None):
+
+class WhiteBox:
+    """Phi^l for one causal LM: states, prefix caches, batched candidate steps, relaxed steps.
+
+    ``exposure`` names what "the states at layer l" are (module docstring, "Exposures"): the residual
+    stream (``d`` = the hidden size) or the keys and values block l writes to the model's own cache
+    (``d`` = 2 x KV heads x head dim). Every state this class returns is float32 whatever the model's
+    dtype (a bf16 or fp16 value is a float32 value exactly), so distances are taken in float32."""
+
+    def __init__(self, model: PreTrainedModel, proposals_from: "WhiteBox | None" = None, exposure: str = "residual"):
+        if exposure not in EXPOSURES:
+            raise SipitInputError(f"exposure must be one of {', '.join(EXPOSURES)}, got {exposure!r}")
         self.model = model
+        self.exposure = exposure
         # The model whose inverse heads (attacks.proposals) rank this one's candidates: the
         # full-precision original of a served copy (quantised, tied), so a copy trains no heads
         # of its own. Heads only order candidates; acceptance is verified on this model, so
@@ -104,7 +115,7 @@ class WhiteBox:
         self.blocks = _find_blocks(self.base, self.n_layers)
         self.embedding: nn.Module = model.get_input_embeddings()
         self.vocab_size: int = int(self.embedding.weight.shape[0])
-        self.d: int = int(text_config.hidden_size)
+        self.hidden_size: int = int(text_config.hidden_size)
         context = getattr(text_config, "max_position_embeddings", None)  # GPT-2 maps it to n_positions
         self.context_length: int | None = int(context) if context else None
         self._token_embeddings: torch.Tensor | None = None
@@ -115,6 +126,7 @@ class WhiteBox:
         # None: candidates are verified by one incremental step on the cached prefix; n: by a
         # forward of the served shape (B, n) (module docstring, at_served_shape).
         self.served_length: int | None = None
+        self.d: int = self.hidden_size if exposure == "residual" else self._kv_width()
 
     def at_served_shape(self, length: int | None) -> "WhiteBox":
         """This WhiteBox (same model, same ``memo``) verifying candidates at the served shape.
@@ -140,6 +152,19 @@ class WhiteBox:
     def device(self) -> torch.device:
         return self.embedding.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its served precision)."""
+        return self.embedding.weight.dtype
+
+    def _kv_width(self) -> int:
+        """2 x KV heads x head dim, read off one token's cache at block 1 (no config arithmetic)."""
+        with torch.no_grad():
+            cache = DynamicCache(config=self.config)
+            self._forward_to(self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.device)), 1, 0, cache)
+        keys, values = cache.layers[0].keys, cache.layers[0].values
+        return int(keys.shape[1] * keys.shape[3] + values.shape[1] * values.shape[3])
+
     # ----------------------------------------------------------------------------- validation
     def resolve_layer(self, layer: int) -> int:
         """Map a possibly negative layer index to ``0..L`` (Python indexing over L+1 layers)."""
@@ -151,6 +176,8 @@ class WhiteBox:
                 f"layer {layer} out of range: this model has layers 0..{self.n_layers} "
                 f"(0 = embeddings, {self.n_layers} = last block), or -{n}..-1 from the end"
             )
+        if self.exposure == "kv" and layer % n == 0:
+            raise SipitInputError("layer 0 has no keys or values: the KV exposure is block l's cache, l >= 1")
         return layer % n
 
     def transform_layer(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor], key: str | None = None):
@@ -242,7 +269,7 @@ class WhiteBox:
                 "their squared norms overflow float32, so no distance to them is finite; real hidden "
                 "states are many orders of magnitude smaller (were they rescaled?)"
             )
-        return states.to(device=self.device, dtype=self.embedding.weight.dtype)
+        return states.to(device=self.device, dtype=torch.float32)
 
     # ------------------------------------------------------------------------------ forward
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -300,12 +327,26 @@ class WhiteBox:
             raise RuntimeError("the forward pass ended before reaching the requested layer")
         return captured["h"]
 
+    def _exposed(self, embeds: torch.Tensor, layer: int, start: int, cache: DynamicCache | None) -> torch.Tensor:
+        """What is exposed of ``embeds`` (B, n, d_model) at positions ``start..start+n-1``, float32 ``(B, n, d)``:
+        the layer-``layer`` residual states, or block ``layer``'s keys and values for those positions as the
+        cache holds them (per KV head, after the rotary embedding), heads concatenated, keys then values."""
+        if self.exposure == "residual":
+            return self._forward_to(embeds, layer, start, cache).float()
+        if cache is None:
+            cache = DynamicCache(config=self.config)
+        self._forward_to(embeds, layer, start, cache)
+        n = embeds.shape[1]
+        rows = [kv[:, :, -n:, :].transpose(1, 2).reshape(embeds.shape[0], n, -1)
+                for kv in (cache.layers[layer - 1].keys, cache.layers[layer - 1].values)]
+        return torch.cat(rows, dim=-1).float()
+
     @torch.no_grad()
     def states(self, ids: torch.Tensor | list[int], layer: int) -> torch.Tensor:
-        """Phi^l(ids): layer-``layer`` states of every position, ``(T, d)``; no block above runs."""
+        """Phi^l(ids): layer-``layer`` states of every position, ``(T, d)`` float32; no block above runs."""
         ids = self.check_ids(ids)
         layer = self.resolve_layer(layer)
-        return self._forward_to(self.embed(ids)[None], layer, 0, None)[0]
+        return self._exposed(self.embed(ids)[None], layer, 0, None)[0]
 
     @torch.no_grad()
     def states_batch(self, ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -315,7 +356,7 @@ class WhiteBox:
             raise SipitInputError(f"expected a (B, T) batch of token ids, got shape {tuple(ids.shape)}")
         for row in ids:
             self.check_ids(row)
-        return self._forward_to(self.embed(ids), self.resolve_layer(layer), 0, None)
+        return self._exposed(self.embed(ids), self.resolve_layer(layer), 0, None)
 
     @torch.no_grad()
     def prefix_cache(self, prefix: torch.Tensor | list[int], layer: int) -> PrefixCache:
@@ -354,7 +395,7 @@ class WhiteBox:
 
     def _step(self, prefix: PrefixCache, embeds: torch.Tensor) -> tuple[torch.Tensor, DynamicCache | None]:
         cache = self._expanded_cache(prefix, embeds.shape[0])
-        states = self._forward_to(embeds[:, None, :], prefix.layer, prefix.length, cache)[:, 0, :]
+        states = self._exposed(embeds[:, None, :], prefix.layer, prefix.length, cache)[:, 0, :]
         return states, cache
 
     @torch.no_grad()
@@ -381,7 +422,7 @@ class WhiteBox:
         rows = torch.tensor(prefix.tokens, dtype=torch.long, device=self.device).expand(len(candidates), t)
         ids = torch.cat([rows, candidates[:, None].expand(-1, n - t)], dim=1)
         per_chunk = max(1, chunk_tokens // n)
-        return torch.cat([self._forward_to(self.embed(part), prefix.layer, 0, None)[:, t]
+        return torch.cat([self._exposed(self.embed(part), prefix.layer, 0, None)[:, t]
                           for part in ids.split(per_chunk)])
 
     @torch.no_grad()

@@ -58,6 +58,11 @@ class Defense(ABC):
         """The white-box model an adaptive attacker holds (default: the clean model)."""
         return loaded
 
+    def provider_view(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """What the provider itself continues inference from, given the served states (default: the exposure;
+        a keyed defence restores its mixing, defenses.keyed)."""
+        return self.expose(states, generator)
+
     @property
     def alters_exposure(self) -> bool:
         """Whether :meth:`expose` changes the served model's states (default: it returns them as they are)."""
@@ -210,6 +215,11 @@ class Chain(Defense):
         for member in self.members:
             loaded = member.attacker_model(loaded, layer, knows_defense)
         return loaded
+
+    def provider_view(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        for member in self.members:
+            states = member.provider_view(states, generator)
+        return states
 
     @property
     def served_shape_matters(self) -> bool:  # type: ignore[override]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from defenses.base import Chain, Defense, DefenseParamError, NoDefense
+from defenses.dp import DPNoise
+from defenses.keyed import Permute, Rotate
 from defenses.noise import GaussianNoise
 from defenses.pooling import Pooling
 from defenses.quant import Quantization
@@ -14,6 +16,9 @@ DEFENSES: dict[str, type[Defense]] = {
     "quant": Quantization,
     "tying": WeightTying,
     "pooling": Pooling,
+    "permute": Permute,
+    "rotate": Rotate,
+    "dp": DPNoise,
 }
 
 

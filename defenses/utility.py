@@ -109,12 +109,13 @@ def _nll_and_top1(model, ids: torch.Tensor, window: int) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def _continued(served: LoadedModel, defense: Defense, layer: int, ids: torch.Tensor, window: int,
                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_nll_and_top1` of the served model whose layer-l states are replaced by what
-    ``defense`` exposes (seeded), i.e. the blocks above l continue from the exposed copy."""
+    """:func:`_nll_and_top1` of the served model whose layer-l states are replaced by what the provider
+    continues from (``defense.provider_view``, seeded: the exposure itself, or for a keyed defence the
+    exposure with its key undone), i.e. the blocks above l continue from the exposed copy."""
     generator = torch.Generator().manual_seed(seed)
 
     def exposed(states: torch.Tensor) -> torch.Tensor:
-        return torch.stack([defense.expose(row, generator) for row in states])
+        return torch.stack([defense.provider_view(row, generator) for row in states])
 
     handle = WhiteBox(served.model).transform_layer(layer, exposed)
     try:

@@ -141,3 +141,27 @@ def test_the_audit_never_exceeds_a_correct_mechanisms_epsilon_and_catches_a_misc
     honest = analytic_gaussian_sigma(epsilon, delta, 2 * clip)
     assert audit(honest) <= epsilon
     assert audit(honest / 10) > epsilon  # noise 10x smaller than the claim: the audit proves the claim false
+
+
+def test_the_blind_estimate_of_sigma_is_within_ten_percent_on_a_clean_synthetic_case(llama, tmp_path, monkeypatch):
+    """Noise well inside the margins of the tiny model's last layer: the position-0 estimate, refined on every
+    decoded position, lands within 10% of the sigma the attacker was not told; it then decodes exactly."""
+    from attacks.blind import BlindAttack, sigma_from_position_zero
+    from attacks.robust import MapDecoder
+    from sipit.vocab_table import position_zero_table
+
+    monkeypatch.setenv("SIPIT_CACHE_DIR", str(tmp_path))
+    loaded, wb = llama
+    sigma = 0.004
+    generator = torch.Generator().manual_seed(0)
+    exposures = [(ids_of(loaded, t), None) for t in TEXTS]
+    exposures = [(ids, wb.states(ids, 4) + sigma * torch.randn(len(ids), wb.d, generator=generator))
+                 for ids, _ in exposures]
+    table = position_zero_table(wb, 4).states
+    pooled = sigma_from_position_zero(torch.stack([obs[0] for _, obs in exposures]), table)
+    assert abs(pooled - sigma) / sigma < 0.25  # d = 64 per row: chi-square's spread, three rows
+    for ids, observed in exposures:
+        attack = BlindAttack(lambda s: MapDecoder(s, ranking="gradient"))
+        inv = attack.invert(observed, wb, 4, loaded.tokenizer)
+        assert abs(attack.estimated_sigma - sigma) / sigma < 0.10
+        assert inv.ids == ids

@@ -26,6 +26,7 @@ from services import PG_PASSWORD, MlflowServer, PostgresCluster, wait_until
 
 from benchmarks import search
 from benchmarks.search import SearchUsageError, run_search
+from benchmarks.search_runs import RUN_ATTR
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = dict(model="tiny-llama", layer=-1, families="noise", n_prompts=1, length=4, utility_tokens=32,
@@ -137,7 +138,8 @@ def _stop_mid_trial(s: Search, exclude_pid: int):
         if not complete:
             return None
         for t in s.trials():
-            if t.state == TrialState.RUNNING and "family" in t.user_attrs and _pid(t) != exclude_pid:
+            # caught once its MLflow run exists: a worker killed before that leaves no run to mark FAILED
+            if t.state == TrialState.RUNNING and RUN_ATTR in t.user_attrs and _pid(t) != exclude_pid:
                 os.kill(_pid(t), signal.SIGSTOP)
                 if s.trials()[t.number].state == TrialState.RUNNING:
                     return t

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, fields
 from attacks.policies import POLICIES
 from attacks.registry import ROBUST, RUN_ATTACKS, AttackOptions
 from benchmarks.cli import UsageError, check_float, check_int, check_names
+from sipit.models import DTYPES, ModelLoadError, resolve_device
+from sipit.whitebox import EXPOSURES
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
 MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 0, "head_epochs": 1, "beam_width": 1,
@@ -98,6 +100,9 @@ class RunConfig:
 
     model: str = "smollm2-135m"
     layer: int = -1
+    dtype: str = "fp32"  # the precision the provider serves in (sipit.models.DTYPES); the attacker computes in it too
+    exposure: str = "residual"  # what leaks at layer l: the residual stream or block l's keys and values (sipit.whitebox)
+    device: str = "auto"  # where every computation runs (sipit.models.resolve_device): auto = CUDA, else MPS, else CPU
     defenses: tuple[str, ...] = ("none",)
     attacks: tuple[str, ...] = ("sipit", "softmax-head", "inverse-head")
     robust: str = AttackOptions.robust  # the registry's default decoder under noise, written once there
@@ -149,6 +154,12 @@ class RunConfig:
         check_names(list(self.attacks), RUN_ATTACKS, name="--attacks")
         check_names(self.robust, tuple(ROBUST), name="--robust")
         check_names(self.policy, tuple(POLICIES), name="--policy")
+        check_names(self.dtype, tuple(DTYPES), name="--dtype")
+        check_names(self.exposure, EXPOSURES, name="--exposure")
+        try:
+            resolve_device(self.device)
+        except ModelLoadError as err:
+            raise UsageError(f"--device: {err}") from None
         for name, low in MINIMUMS.items():
             check_int(getattr(self, name), low=low, name=flag(name))
         if self.prompts not in PROMPT_SETS:
@@ -189,7 +200,12 @@ class RunConfig:
     def record(self) -> dict:
         """What results.json and MLflow record as the run's configuration (and :meth:`hash` hashes)."""
         chain = self.chain()
-        return dict(model=self.model, layer=self.layer, defense=self.defense_names(), defense_params=chain.params(),
+        return dict(model=self.model, layer=self.layer,
+                    # recorded when not the default, so fp32 residual runs keep their hash (sweep resume)
+                    **({"dtype": self.dtype} if self.dtype != "fp32" else {}),
+                    **({"exposure": self.exposure} if self.exposure != "residual" else {}),
+                    **({"device": self.device} if self.device != "auto" else {}),
+                    defense=self.defense_names(), defense_params=chain.params(),
                     attacks=list(self.attacks), robust=self.robust, beam_width=self.beam_width,
                     # the policy is recorded when not the default, so earlier runs keep their hash (sweep resume)
                     **({"policy": self.policy} if self.policy != "gradient" else {}),

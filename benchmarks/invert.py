@@ -1,10 +1,13 @@
 """Invert one prompt from its layer-l hidden states and show how.
 
     python -m benchmarks.invert "some text" [--layer L] [--model M] [--policy gradient|random]
+        [--dtype fp32|bf16|fp16] [--exposure residual|kv] [--device auto|cpu|cuda|mps]
 
-The command computes the prompt's layer-L states with the model (what a leak would expose), then
-runs SipIt on those states alone and prints the recovered text, each position's token, candidates
-tried and distance, and the time. Negative L counts from the last layer (default -1).
+The command computes the prompt's layer-L states with the model served in ``--dtype`` (what a leak
+would expose: the residual stream, or block L's keys and values), then runs SipIt on those states
+alone and prints the recovered text, each position's token, candidates tried and distance, and the
+time. In half precision candidates are verified at the served shape (bit-exact; incremental
+kernels differ there). Negative L counts from the last layer (default -1).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ if __name__ == "__main__":  # before the imports: Ctrl-C while they load is one 
 import argparse
 import sys
 
+import torch
+
 from attacks.policies import POLICIES, make_policy
 from attacks.result import Inversion, layer_hint
 from attacks.sipit import SipIt
 from benchmarks.cli import UsageError, arg, check_int, run_main
-from sipit.models import DEFAULT_MODEL, load_model
-from sipit.whitebox import SipitInputError, WhiteBox
+from sipit.models import DEFAULT_MODEL, DTYPES, load_model
+from sipit.whitebox import EXPOSURES, SipitInputError, WhiteBox
 
 
 def invert_text(
@@ -33,6 +38,9 @@ def invert_text(
     policy: str = "learned",
     max_tokens: int | None = None,
     seed: int = 0,
+    dtype: str = "fp32",
+    exposure: str = "residual",
+    device: str = "auto",
     progress: bool = False,
 ) -> tuple[list[int], Inversion, object]:
     """Tokenise ``text``, take its layer-``layer`` states and invert them with SipIt.
@@ -44,8 +52,8 @@ def invert_text(
     if max_tokens is not None:
         check_int(max_tokens, low=1, name="max_tokens")
     attack = SipIt(make_policy(policy, progress=progress), seed=seed, progress=progress)
-    loaded = load_model(model)
-    whitebox = WhiteBox(loaded.model)
+    loaded = load_model(model, dtype=dtype, device=device)
+    whitebox = WhiteBox(loaded.model, exposure=exposure)
     layer = whitebox.resolve_layer(layer)
     ids = loaded.tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
     try:
@@ -53,7 +61,8 @@ def invert_text(
     except SipitInputError as err:
         raise UsageError(f"{err}: shorten it or keep its first tokens with --max-tokens {whitebox.context_length}") from None
     observed = whitebox.states(ids, layer)
-    return ids, attack.invert(observed, whitebox, layer, loaded.tokenizer), loaded.tokenizer
+    verifier = whitebox if whitebox.dtype == torch.float32 else whitebox.at_served_shape(len(ids))
+    return ids, attack.invert(observed, verifier, layer, loaded.tokenizer), loaded.tokenizer
 
 
 def format_inversion(inversion: Inversion, truth: list[int], tokenizer) -> str:
@@ -88,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=arg(check_int, low=1), default=None,
                         help="keep only the prompt's first N tokens (N >= 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the precision the model is served in")
+    parser.add_argument("--exposure", choices=EXPOSURES, default="residual",
+                        help="the residual stream at layer L, or block L's keys and values (L >= 1)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N, mps")
     return parser
 
 
@@ -95,7 +108,8 @@ def invert_command(args: argparse.Namespace) -> int:
     """Run :func:`invert_text` and print the result; exit 0 on exact recovery, 1 otherwise."""
     truth, inversion, tokenizer = invert_text(
         args.text, model=args.model, layer=args.layer, policy=args.policy,
-        max_tokens=args.max_tokens, seed=args.seed, progress=True,
+        max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype, exposure=args.exposure, device=args.device,
+        progress=True,
     )
     for line in inversion.setup:
         print(f"one-time: {line}")

@@ -77,8 +77,9 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
 
     served = chain.serve(loaded, layer)
     attacker = chain.attacker_model(loaded, layer, knows_defense)
-    served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model)
-    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model, proposals_from=clean_wb)
+    served_wb = clean_wb if served.model is loaded.model else WhiteBox(served.model, exposure=clean_wb.exposure)
+    attacker_wb = clean_wb if attacker.model is loaded.model else WhiteBox(attacker.model, proposals_from=clean_wb,
+                                                                            exposure=clean_wb.exposure)
     generator = torch.Generator().manual_seed(seed)
     states, sigmas, exact, norms, state_rms = [], [], [], [], []
     for ids in tqdm(prompt_ids, desc="expose states", disable=not progress, leave=False):
@@ -94,9 +95,28 @@ def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, 
         else:
             norms.append([None] * len(ids))
             exact.append(False)
-    served_shape = chain.served_shape_matters and attacker.model is served.model  # it holds the served weights
+    # half-precision kernels differ between an incremental step and the served forward (sipit.whitebox):
+    # an attacker that holds the served weights verifies at the served shape, bit for bit
+    half = served_wb.dtype != torch.float32
+    served_shape = (chain.served_shape_matters or half) and attacker.model is served.model
     return Exposed(chain, attacker, attacker_wb, layer, prompt_ids, states, sigmas, exact, norms, state_rms,
                    served_shape, knows_defense)
+
+
+def naive_fp32(exposed: Exposed, fp32) -> Exposed:
+    """The same exposure attacked by the naive attacker of half-precision states (what peers do): it
+    recomputes in fp32 (``fp32``: the model loaded in fp32), does not know the serving dtype, and takes
+    the states as they come (inexact unless they match its fp32 recomputation bit for bit: nearest
+    neighbour, attacks.registry.strongest)."""
+    from sipit.whitebox import WhiteBox
+
+    wb = WhiteBox(fp32.model, exposure=exposed.attacker_wb.exposure)
+    recomputed = [wb.states(ids, exposed.layer) for ids in exposed.prompt_ids]
+    exact = [bool(torch.equal(h, r)) for h, r in zip(exposed.states, recomputed)]
+    norms = ([(h.float() - r.float()).norm(dim=-1).tolist() for h, r in zip(exposed.states, recomputed)]
+             if exposed.chain.per_position else exposed.noise_norms)
+    return replace(exposed, attacker=fp32, attacker_wb=wb, exact=exact, noise_norms=norms, served_shape=False,
+                   knows_defense=False)
 
 
 def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):

@@ -62,6 +62,8 @@ from pathlib import Path
 from attacks.policies import POLICIES
 from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
 from benchmarks.config import MINIMUMS, RunConfig, sweep_configs
+from sipit.models import DTYPES
+from sipit.whitebox import EXPOSURES
 from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
 from benchmarks.cli import UsageError, arg, check_floats, check_int, default_out_dir, interrupt_once, run_main
 from benchmarks.out_dir import claim
@@ -108,10 +110,10 @@ def load_for(config: RunConfig):
     from sipit.whitebox import WhiteBox
 
     try:
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
     except (ValueError, OSError, ModuleNotFoundError) as err:
         raise BenchmarkUsageError(f"--model {config.model!r}: {err}") from None
-    return loaded, WhiteBox(loaded.model)
+    return loaded, WhiteBox(loaded.model, exposure=config.exposure)
 
 
 def check_against_model(config: RunConfig, loaded, clean_wb) -> tuple[int, list]:
@@ -134,6 +136,7 @@ def check_against_model(config: RunConfig, loaded, clean_wb) -> tuple[int, list]
         raise BenchmarkUsageError(str(err)) from None
     try:
         c.chain().check_model(loaded)
+        c.chain().check_exposure(clean_wb.exposure, clean_wb.d)
     except DefenseParamError as err:
         raise BenchmarkUsageError(f"--defense {' '.join(c.defenses)}: {err}") from None
     if c.utility_tokens:
@@ -301,7 +304,11 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     m = results["margins"]
     results["noise"] = noise_summary(exposed.sigmas, exposed.state_rms, exposed.noise_norms, m["positions"], m["deltas"])
     log(f"[run] {describe_noise(results['noise'])}", file=sys.stderr)
-    if utility_tokens:
+    if utility_tokens and clean_wb.exposure != "residual":
+        results["utility"] = {"skipped": "utility is measured for the residual exposure only: inference continued "
+                                         "from defended keys and values is not implemented"}
+        log(f"[run] utility cost: {results['utility']['skipped']}", file=sys.stderr)
+    elif utility_tokens:
         from defenses.utility import utility_cost
 
         log(f"[run] utility cost of the defence on {utility_tokens} held-out tokens", file=sys.stderr)
@@ -311,6 +318,13 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
     plan = [(name, "head-clean" if name == "softmax-head" else name) for name in attack_names]
     if "softmax-head" in attack_names and chain.name != "none" and config.knows_defense:
         plan.insert(plan.index(("softmax-head", "head-clean")) + 1, ("softmax-head-adaptive", "head-adaptive"))
+    attacked = {name: exposed for name, _ in plan}
+    if config.dtype != "fp32" and "sipit" in attack_names:
+        from benchmarks.pipeline import naive_fp32
+        from sipit.models import load_model
+
+        plan.insert(plan.index(("sipit", "sipit")) + 1, ("sipit-fp32", "sipit"))
+        attacked["sipit-fp32"] = naive_fp32(exposed, load_model(config.model, dtype="fp32", device=config.device))
     options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
                             policy=config.policy, max_candidates=config.radius_budget or None, progress=progress)
     for result_name, kind in plan:
@@ -319,7 +333,7 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
             results["attacks"][result_name] = {"skipped": "pooled exposure has no per-position states",
                                                "decoder": "SoftmaxHead"}
             continue
-        _attack(state, tracker, exposed, prompt_set, result_name, kind, options, seeds, loaded.tokenizer,
+        _attack(state, tracker, attacked[result_name], prompt_set, result_name, kind, options, seeds, loaded.tokenizer,
                 head_tokens=config.head_tokens, head_epochs=config.head_epochs, progress=progress, log=log)
     results["leakage"] = defence_leakage(results["attacks"])
     results["prompts"] = [_prompt_record(i, p, state.prompt_rows, loaded.tokenizer) for i, p in enumerate(prompt_set)]
@@ -468,6 +482,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF model dir, .gguf file or hub id")
     p.add_argument("--layer", type=int, default=-1, help="layer attacked (negative: from the end; -1 = last block)")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=tuple(DTYPES),
+                   help="the precision the provider serves in; the informed attacker recomputes in it, verifying "
+                        "candidates at the served shape in half precision (incremental kernels differ there), and "
+                        "with --attacks sipit a naive fp32 attacker runs beside it (sipit-fp32)")
+    p.add_argument("--exposure", default=DEFAULTS.exposure, choices=EXPOSURES,
+                   help="what leaks at --layer: the residual stream, or block l's keys and values as the model's "
+                        "KV cache holds them (l >= 1)")
+    p.add_argument("--device", default=DEFAULTS.device,
+                   help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps; a device not there is an error")
     p.add_argument("--defense", action="append", default=None,
                    help=f"defence(s) applied in order, repeatable: a spec name:key=value,... (e.g. "
                         f"noise:sigma=0.1,placement=exposure) or a comma chain of names taking the flags below; "

@@ -117,6 +117,8 @@ def run_search(
     grace_period: int = 30,
     storage_wait: float = 120.0,
     out: str | Path | None = None,
+    dtype: str = "fp32",
+    device: str = "auto",
     log=print,
 ) -> dict:
     """Create the study (unless ``attach``), run ``workers`` workers, write the report (unless attach).
@@ -138,9 +140,11 @@ def run_search(
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,
                          tying_method=tying_method, experiment=experiment, bound=bound,
-                         policy=policy, startup_trials=startup_trials, robust=robust, max_prompts=max_prompts)
+                         policy=policy, startup_trials=startup_trials, robust=robust, max_prompts=max_prompts,
+                         dtype=dtype)
     _check_tracking(tracking_uri, track, creating=not attach)
-    ctx = None if attach or report_only else trial_context(config)  # the model loads here, once
+    _check_device(device)
+    ctx = None if attach or report_only else trial_context(config, device)  # the model loads here, once
     enqueue = _check_enqueue(enqueue or [], config, ctx, steps=(attach, report_only))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
@@ -161,12 +165,13 @@ def run_search(
                 result["ran"] = run_worker(store, study, n_trials, worker=worker_index, tracking_uri=tracking_uri,
                                            track=track, heartbeat_interval=heartbeat_interval,
                                            grace_period=grace_period, storage_wait=storage_wait, out=out_dir, ctx=ctx,
-                                           log=log)
+                                           device=device, log=log)
             else:
                 ctx = None  # each worker process loads its own model
                 run_worker_processes(storage, study, n_trials, config, workers=workers, first_index=worker_index,
                                      tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
-                                     grace_period=grace_period, storage_wait=storage_wait, out=out_dir)
+                                     grace_period=grace_period, storage_wait=storage_wait, out=out_dir,
+                                     device=device)
     result["counts"] = trial_counts(st)
     if not attach and not create_only:
         result["report"] = write_report(st, out_dir, tracking_uri=tracking_uri, track=track, log=log)
@@ -183,6 +188,16 @@ def _check_options(n_trials, workers, storage_wait, *, steps: tuple[bool, bool, 
         raise SearchUsageError("give at most one of --create-only, --attach, --report-only")
     if not storage_wait >= 0:
         raise SearchUsageError(f"--storage-wait must be >= 0 seconds, got {storage_wait!r}")
+
+
+def _check_device(device: str) -> None:
+    """The device this machine's workers compute on (not stored with the study: machines differ)."""
+    from sipit.models import ModelLoadError, resolve_device
+
+    try:
+        resolve_device(device)
+    except ModelLoadError as err:
+        raise SearchUsageError(f"--device: {err}") from None
 
 
 def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) -> None:
@@ -295,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("search")
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--layer", type=int, default=-1)
+    s.add_argument("--dtype", default="fp32", help="the precision the provider serves in (fp32, bf16, fp16); the "
+                                                   "attacker recomputes in it (stored with the study)")
+    s.add_argument("--device", default="auto", help="where this machine's workers compute: auto (CUDA, else MPS, "
+                                                    "else CPU), cpu, cuda, cuda:N, mps (not stored with the study)")
     s.add_argument("--families", default=",".join(FAMILIES), help=f"comma list from {', '.join(FAMILIES)}")
     s.add_argument("--mode", default="constrained", choices=MODES)
     s.add_argument("--threshold", type=float, default=0.01, help="max recovery (token accuracy) of a feasible setting")

@@ -27,7 +27,7 @@ def describe_exit(code: int) -> str:
 
 def run_worker_processes(storage: str, study: str, n_trials: int, config: dict, *, workers: int, first_index: int,
                          tracking_uri, track: bool, heartbeat_interval: int, grace_period: int, storage_wait: float,
-                         out: Path) -> None:
+                         out: Path, device: str = "auto") -> None:
     """``workers`` worker subprocesses (``--attach``) until they stop; SearchAborted names any that died.
 
     Ctrl-C: every worker gets SIGINT (a terminal sends it to all; a signal to this process alone is
@@ -37,7 +37,7 @@ def run_worker_processes(storage: str, study: str, n_trials: int, config: dict, 
     for i in range(workers):
         cmd, env = worker_process(study, n_trials, config, worker_index=first_index + i, storage=storage,
                                   tracking_uri=tracking_uri, track=track, heartbeat_interval=heartbeat_interval,
-                                  grace_period=grace_period, storage_wait=storage_wait, out=out)
+                                  grace_period=grace_period, storage_wait=storage_wait, out=out, device=device)
         procs.append(subprocess.Popen(cmd, env=env))
     try:
         codes = [p.wait() for p in procs]
@@ -64,7 +64,7 @@ def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def worker_process(study, n_trials, config, *, worker_index, storage, tracking_uri, track, heartbeat_interval,
-                   grace_period, storage_wait, out) -> tuple[list[str], dict]:
+                   grace_period, storage_wait, out, device: str = "auto") -> tuple[list[str], dict]:
     """The ``--attach`` command line of one worker subprocess (same configuration) and its environment.
 
     The storage URL and tracking URI travel in the environment (``$SIPIT_SEARCH_STORAGE``,
@@ -72,6 +72,7 @@ def worker_process(study, n_trials, config, *, worker_index, storage, tracking_u
     """
     cmd = [sys.executable, "-m", "benchmarks.search", "--study", study, "--n-trials", str(n_trials),
            "--attach", "--workers", "1", "--worker-index", str(worker_index), "--model", config["model"],
+           "--dtype", config["dtype"], "--device", device,
            "--layer", str(config["layer"]), "--families", ",".join(config["families"]), "--mode", config["mode"],
            "--threshold", repr(config["threshold"]), "--seed", str(config["seed"]), "--prompts", config["prompts"],
            "--n-prompts", str(config["n_prompts"]), "--max-prompts", str(config["max_prompts"]),

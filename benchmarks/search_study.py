@@ -19,7 +19,7 @@ from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTI
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts")
+               "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts", "dtype")
 #: what the threshold constrains: the one-sided 95% upper bound of the strongest attack's token accuracy above
 #: its chance level (benchmarks.metrics.excess_bounds), its Clopper-Pearson upper bound (a claim that chance
 #: hits alone can defeat), or its point estimate (studies made before either)
@@ -34,7 +34,8 @@ MAY_BE_ZERO = {"radius_cap": 0}
 #: point estimate, ordered candidates by the gradient, drew 8 random startup trials and decoded noise with the
 #: radius stop; a budget stored before the radius decoder's cap had none (radius_cap 0: the vocabulary)
 #: radius stop; it attacked its n_prompts and no more (max_prompts = n_prompts, filled by stored_config)
-LEGACY = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius"}
+LEGACY = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius",
+          "dtype": "fp32"}
 LEGACY_BUDGET = {"radius_cap": 0}
 
 
@@ -58,7 +59,8 @@ def check_budget(budget) -> dict:
 
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
-                bound="excess95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None) -> dict:
+                bound="excess95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None,
+                dtype="fp32") -> dict:
     """Validated search configuration (everything that must agree between workers).
 
     ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
@@ -99,6 +101,10 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
 
     if robust not in ROBUST:
         raise SearchUsageError(f"--robust must be one of {', '.join(ROBUST)}, got {robust!r}")
+    from sipit.models import DTYPES
+
+    if dtype not in DTYPES:
+        raise SearchUsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     if max_prompts is None:
@@ -109,7 +115,8 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
                 prompts=prompts, n_prompts=int(n_prompts), length=int(length), utility_tokens=int(utility_tokens),
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
                 sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
-                bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust, max_prompts=max_prompts)
+                bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust, max_prompts=max_prompts,
+                dtype=dtype)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):

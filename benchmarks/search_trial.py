@@ -17,7 +17,7 @@ from benchmarks.search_space import AttackBudget, report_group
 from benchmarks.tracking import describe_error
 
 
-def trial_context(config: dict):
+def trial_context(config: dict, device: str = "auto"):
     """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``.
 
     The prompts are the ``n_prompts`` of the first stage, then those of the ``max_prompts`` set (same
@@ -31,7 +31,8 @@ def trial_context(config: dict):
     from sipit.models import load_model
     from sipit.whitebox import WhiteBox
 
-    loaded = _checked(lambda: load_model(config["model"]), f"--model {config['model']!r}")
+    loaded = _checked(lambda: load_model(config["model"], dtype=config["dtype"], device=device),
+                      f"--model {config['model']!r}")
     wb = WhiteBox(loaded.model)
     layer = _checked(lambda: wb.resolve_layer(config["layer"]), "--layer")
     _checked(lambda: wb.check_length(config["length"], "--length"))
@@ -65,14 +66,20 @@ def _checked(make, flag: str = ""):
 
 
 def _check_families(ctx, config: dict) -> None:
-    """Each family's defence at both ends of its range fits the model (``Defense.check_model``)."""
+    """Each family's defence at both ends of its range fits the model and the exposure (``Defense.check_model``,
+    ``Defense.check_exposure``)."""
     from benchmarks.search_space import corner_settings
 
     for family in config["families"]:
         for names, params in corner_settings(family, vocab_size=ctx.clean_wb.vocab_size, length=config["length"],
                                              sigma_low=config["sigma_low"], sigma_high=config["sigma_high"],
                                              tying_method=config["tying_method"]):
-            _checked(lambda: ctx.chain(names, params).check_model(ctx.loaded), f"--families {family} ({params})")
+            _checked(lambda: _fits(ctx, ctx.chain(names, params)), f"--families {family} ({params})")
+
+
+def _fits(ctx, chain) -> None:
+    chain.check_model(ctx.loaded)
+    chain.check_exposure(ctx.clean_wb.exposure, ctx.clean_wb.d)
 
 
 def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int, who: str, out_dir: Path, log):

@@ -33,7 +33,7 @@ class StorageLost(BaseException):
 
 def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, tracking_uri=None, track: bool = True,
                heartbeat_interval: int = 5, grace_period: int = 30, poll: float = 1.0, storage_wait: float = 120.0,
-               out: str | Path | None = None, ctx=None, log=print) -> int:
+               out: str | Path | None = None, ctx=None, device: str = "auto", log=print) -> int:
     """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran.
 
     ``ctx``: the trial context of the study's configuration if the caller built it already (run_search does,
@@ -58,7 +58,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     study.sampler = make_sampler(config, worker, len(study.get_trials(deepcopy=False)))
     runs = study_runs(study, tracking_uri=tracking_uri, track=track, log=log)
     out_dir = Path(out) if out is not None else default_out_dir(f"search-{study_name}")
-    ctx = trial_context(config) if ctx is None else ctx
+    ctx = trial_context(config, device) if ctx is None else ctx
     who = process_name()
     study.set_user_attr(f"worker:{who}", time.time())  # who attached to the study, and when
     objective = make_objective(study, config, ctx, runs, n_trials=n_trials, worker=worker, who=who, out_dir=out_dir,

@@ -94,6 +94,11 @@ class Defense(ABC):
         """Raise :class:`DefenseParamError` if the parameters do not fit ``loaded`` (e.g. more groups
         than tokens); cheap, so callers run it before any heavy work. Default: every model fits."""
 
+    def check_exposure(self, exposure: str, d: int) -> None:
+        """Raise :class:`DefenseParamError` if the defence cannot act on the exposure ``exposure``
+        (sipit.whitebox.EXPOSURES) of width ``d`` (the residual's hidden size, or 2 x KV heads x head
+        dim for ``kv``). Default: it acts on any exposed copy."""
+
     @abstractmethod
     def params(self) -> dict:
         """The validated parameters, for logging."""
@@ -232,6 +237,10 @@ class Chain(Defense):
     def check_model(self, loaded: LoadedModel) -> None:
         for member in self.members:
             member.check_model(loaded)
+
+    def check_exposure(self, exposure: str, d: int) -> None:
+        for member in self.members:
+            member.check_exposure(exposure, d)
 
     def params(self) -> dict:
         return {"members": [{"name": m.name, **m.params()} for m in self.members]}

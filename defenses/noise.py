@@ -82,6 +82,14 @@ class GaussianNoise(Defense):
             raise DefenseParamError(f"sigma={self.sigma:g} ({self.relative_to}) is too large: distances to states "
                                     f"this noisy overflow float32 (at most {largest / scale:.3g} for d={d})")
 
+    def check_exposure(self, exposure: str, d: int) -> None:
+        """Noise inside the model perturbs the residual stream after block l, which block l's keys and
+        values never see: with the KV exposure only ``placement=exposure`` means anything."""
+        if exposure == "kv" and self.placement == "model":
+            raise DefenseParamError("placement=model adds the noise to the residual stream after block l, which "
+                                    "block l's keys and values do not depend on: use placement=exposure with the "
+                                    "kv exposure")
+
     # ------------------------------------------------------------------------------ noise
     def noise_sigma(self, states: torch.Tensor) -> float:
         if self.relative_to == "abs":

@@ -61,11 +61,11 @@ class Pooling(Defense):
             raise DefenseParamError(f"g={self.g} must divide the hidden size d={d}")
         return reduce(states.reshape(*states.shape[:-1], d // self.g, self.g), self.mode, -1)
 
-    def check_model(self, loaded) -> None:
-        """``g`` must divide the model's hidden size (over='dims')."""
-        d = int(loaded.model.get_input_embeddings().weight.shape[1])
+    def check_exposure(self, exposure: str, d: int) -> None:
+        """``g`` must divide the exposed width (over='dims'): the hidden size for the residual exposure,
+        2 x KV heads x head dim for ``kv``."""
         if self.over == "dims" and d % self.g:
-            raise DefenseParamError(f"g={self.g} must divide the hidden size d={d} of {loaded.name}")
+            raise DefenseParamError(f"g={self.g} must divide the width d={d} of the {exposure} exposure")
 
     def window_length(self, length: int) -> int:
         """Positions per pooled row for a prompt of ``length`` tokens."""

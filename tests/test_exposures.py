@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -101,3 +103,51 @@ def test_the_bundled_model_loads_in_bf16_from_its_own_bf16_cache():
     loaded = load_model("smollm2-135m", dtype="bf16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert any(cache_dir().glob("gguf/SmolLM2-135M-Instruct.Q4_1-*-bf16/model.safetensors"))
+
+
+# --------------------------------------------------------------------------- the run's --dtype/--exposure/--device
+RUN = ["--model", "tiny-llama", "--n-prompts", "2", "--length", "6", "--attacks", "sipit", "--utility-tokens", "0",
+       "--margin-positions", "0", "--no-progress", "--no-tracking"]
+
+
+def test_the_run_serves_in_bf16_inverts_exactly_and_reports_the_naive_fp32_attacker(tmp_path):
+    """--dtype bf16: the informed attacker (bf16, served-shape verification) recovers every prompt; the
+    naive fp32 attacker's row sits beside it; the config records the dtype."""
+    from benchmarks import run as bench
+
+    assert bench.main(RUN + ["--dtype", "bf16", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["dtype"] == "bf16"
+    assert results["attacks"]["sipit"]["exact_match"] == 1.0
+    naive = results["attacks"]["sipit-fp32"]
+    assert naive["decoder"].startswith("NearestNeighbour") and 0.0 <= naive["token_accuracy"] <= 1.0
+
+
+def test_the_run_attacks_the_kv_exposure_and_refuses_defences_that_cannot_act_on_it(tmp_path, capsys):
+    from benchmarks import run as bench
+
+    assert bench.main(RUN + ["--exposure", "kv", "--layer", "2", "--out", str(tmp_path / "kv")]) == 0
+    results = json.loads((tmp_path / "kv" / "results.json").read_text())
+    assert results["config"]["exposure"] == "kv" and results["attacks"]["sipit"]["exact_match"] == 1.0
+    width = WhiteBox(load_model("tiny-llama").model, exposure="kv").d
+    refusals = {"noise:sigma=0.1,placement=model": "placement=exposure",
+                f"pooling:over=dims,g={width + 1}": f"width d={width} of the kv exposure"}
+    for spec, message in refusals.items():
+        with pytest.raises(SystemExit) as info:
+            bench.main(RUN + ["--exposure", "kv", "--layer", "2", "--defense", spec, "--out", str(tmp_path / "no")])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [("--dtype", "fp8", "invalid choice"),
+                                                  ("--exposure", "keys", "invalid choice"),
+                                                  ("--device", "tpu", "device must be one of")])
+def test_a_bad_dtype_exposure_or_device_is_a_one_line_error_before_anything_is_written(tmp_path, capsys, flag, value,
+                                                                                        message):
+    from benchmarks import run as bench
+
+    with pytest.raises(SystemExit) as info:
+        bench.main(RUN + [flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -124,7 +124,7 @@ def test_a_run_killed_outright_has_its_mlflow_runs_closed_by_the_next_run_in_its
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--defense", "pooling", "--pool-dims", "8,7"], "g=7 must divide the hidden size"),
+    (["--defense", "pooling", "--pool-dims", "8,7"], "g=7 must divide the width d=64 of the residual exposure"),
     (["--defense", "noise", "--sigma", "0.1,1e300"], "sigma=1e+300 (abs) is too large"),
     (["--defense", "noise:sigma=0.1,sigma=0.2"], "parameter 'sigma' is given twice"),
     (["--utility-tokens", "100000000"], "--utility-tokens 100000000: the held-out utility text holds"),

@@ -14,9 +14,9 @@ exp(a) s_v(h) over the batch's true tokens plus ``negatives`` seeded random toke
 learned log-scale), Adam, ``epochs`` passes (at least ``min_steps`` steps). ``tau`` is then the temperature with the least
 held-out negative log-likelihood on a grid. Because the head targets the embedding geometry
 rather than a softmax over the tokens it has seen, it ranks tokens that never occur in its
-corpus too. (A ridge-regression linear head was tried first: on smollm2 at layer 30 it put the
-true token in its top 16 for 50% of held-out natural-text positions, the MLP for 65%, and cut the
-mean rank ~8x; notes/issue-12.md.)
+corpus too. (A ridge-regression linear head was tried first and ranked worse than the MLP on
+smollm2's last layer, in a development comparison that is not kept; the recall this head reaches is
+in docs/sipit.md, "Learned proposals".)
 
 The head only ORDERS candidates (attacks.policies.LearnedPolicy): exact SipIt verifies every
 candidate against the observed state, so a bad head costs time, never correctness.

@@ -128,7 +128,7 @@ class CandidateScorer:
     noise model. The first ``exact_positions`` positions are scored over the whole vocabulary.
     ``ranking="gradient"``:
     prior top ``k_prior`` then ``rounds`` rounds of ``k_grad`` from the gradient ranking (the
-    earlier shortlist; measured far weaker under noise, notes/issue-4.md).
+    earlier shortlist; measured far weaker under noise, docs/noise.md "Decoders").
     ``ranking="learned"``: prior top ``k_prior``, then the top ``k_proxy`` of
     log q(v | h~_t) + log P(v | p_t) (the inverse head of the position, attacks.proposals, applied
     to the noisy state, plus the model's prior), doubling while implausible; only position 0 is
@@ -193,7 +193,7 @@ class CandidateScorer:
             return Scored(torch.arange(whitebox.vocab_size), dist.cpu())
         if prefix.length < self.exact_positions and (prefix.length == 0 or not borrow):
             # The first positions are scored over the whole vocabulary from memoised tables: the
-            # prior knows little there, and the surrogate fits position 1 badly (notes/issue-4.md).
+            # prior knows little there, and the surrogate fits position 1 badly (docs/noise.md).
             # Position 0's table is prefix-free (paid once per layer); beam siblings (borrow) at
             # later exact positions take the shortlist instead of paying V steps each.
             dist = (vocabulary_states(whitebox, prefix, self.chunk) - target).norm(dim=-1).float()

@@ -15,7 +15,7 @@ above ``layer``), and the prefix is extended by the true token with ``CandidateB
 
 Cost: T * V incremental candidate positions, the same number of token-positions as a plain
 batched forward of T * V tokens; the distances themselves are one (chunk, d) subtraction per
-chunk. Measured ratio to plain forwards: notes/issue-4.md.
+chunk. Measured ratio to plain forwards: docs/noise.md, "Margins (exact)".
 """
 
 from __future__ import annotations

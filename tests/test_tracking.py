@@ -115,7 +115,7 @@ def test_unusable_store_is_reported_within_seconds(tmp_path, make_uri, message):
 def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path):
     """Ctrl-C while MLflow migrates a new sqlite store: the store is absent (or whole), and opens afterwards.
 
-    Python drops a KeyboardInterrupt that lands in a garbage-collection callback (notes/issue-16.md);
+    Python drops a KeyboardInterrupt that lands in a garbage-collection callback (docs/search.md, "Load");
     then the creation finishes and the store must be whole. Up to three tries, until one is interrupted."""
     db = tmp_path / "store" / "mlflow.db"
     interrupted = False

@@ -111,6 +111,7 @@ class RunConfig:
     radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)
     knows_defense: bool = True
     prompts: str = "mixed"
+    split: str = "test"  # the prompts' split (benchmarks.prompts): a run is a final measurement; choose options on dev
     n_prompts: int = 20
     length: int = 20
     seed: int = 0
@@ -149,7 +150,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Cheap checks of every option (no model needed); :class:`UsageError` names the flag."""
-        from benchmarks.prompts import PROMPT_SETS, read_texts
+        from benchmarks.prompts import PROMPT_SETS, SPLITS, read_texts
 
         check_names(list(self.attacks), RUN_ATTACKS, name="--attacks")
         check_names(self.robust, tuple(ROBUST), name="--robust")
@@ -162,6 +163,7 @@ class RunConfig:
             raise UsageError(f"--device: {err}") from None
         for name, low in MINIMUMS.items():
             check_int(getattr(self, name), low=low, name=flag(name))
+        check_names(self.split, SPLITS, name="--split")
         if self.prompts not in PROMPT_SETS:
             try:
                 read_texts(self.prompts)
@@ -211,7 +213,7 @@ class RunConfig:
                     **({"policy": self.policy} if self.policy != "gradient" else {}),
                     # a cap is recorded; no cap (the vocabulary) is how every run before the option worked
                     **({"radius_budget": self.radius_budget} if self.radius_budget else {}),
-                    knows_defense=self.knows_defense, prompts=self.prompts, n_prompts=self.n_prompts,
+                    knows_defense=self.knows_defense, prompts=self.prompts, split=self.split, n_prompts=self.n_prompts,
                     length=self.length, seed=self.seed, head_tokens=self.head_tokens, head_epochs=self.head_epochs,
                     margin_positions=self.margin_positions, utility_tokens=self.utility_tokens,
                     experiment=self.experiment)

@@ -4,6 +4,15 @@ The default mix is 90% natural / 10% random tokens, as in the paper's SipIt eval
 (docs/theory.md, "Reported numbers"). Natural prompts live in ``benchmarks/data/natural.txt`` (one per line, ``\\n`` for a
 line break inside code); each is tokenised and truncated to a fixed token count.
 
+Splits: every named set has a ``dev`` part, read by whatever chooses an option (tuning, diagnosis,
+the search), and a ``test`` part that only final measurements read (``benchmarks.run``'s default).
+Natural prompts split by their line among the prompts of ``natural.txt``: even lines (0, 2, ...) are
+dev, odd lines test, so appending prompts never moves one between splits. Random-token prompts
+draw from a generator seeded by (seed, split): the two splits never share a draw. A command that
+tunes refuses the test split (:func:`check_split`). A prompt file given by path is the user's own and
+is not split. ``split=None`` reads every line (what the commands did before splits existed; kept
+for the studies stored then).
+
 Private spans: ``benchmarks/data/natural_spans.json`` marks, per natural prompt (keyed by its line),
 the substrings a user would fear to see come back: names, numbers (dates, amounts, account and
 ID numbers), e-mail and street addresses, credentials, medical terms. A prompt file given by path
@@ -23,6 +32,31 @@ NATURAL_FILE = DATA_DIR / "natural.txt"
 SPANS_SUFFIX = ".spans.json"
 NATURAL_SPANS = DATA_DIR / "natural_spans.json"
 PROMPT_SETS = ("mixed", "natural", "random")
+#: dev: options are chosen on it; test: only final measurements read it (module docstring)
+SPLITS = ("dev", "test")
+
+
+class SplitRefused(ValueError):
+    """A command that chooses options was asked to read the test split."""
+
+
+def check_split(split: str | None, *, tunes: bool, command: str = "") -> str | None:
+    """``split`` if it is a split name (or None: every line); a command that ``tunes`` (chooses options by
+    reading true tokens) may not read the test split: :class:`SplitRefused` says where to measure it."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if tunes and split != "dev":
+        raise SplitRefused(f"{command or 'this command'} chooses options by reading the prompts, so it reads the "
+                               f"dev split only; measure the chosen setting on the test split with "
+                               f"`python -m benchmarks.run --split test`")
+    return split
+
+
+def split_lines(texts: list[str], split: str | None) -> list[str]:
+    """The prompts of ``split`` among ``texts`` (in file order): dev = even lines, test = odd (None: all)."""
+    if split is None:
+        return list(texts)
+    return texts[SPLITS.index(split)::2]
 
 
 @dataclass(frozen=True)
@@ -116,12 +150,15 @@ def prompt_set(
     natural_fraction: float = 0.9,
     vocab_size: int | None = None,
     source: str | Path = NATURAL_FILE,
+    split: str | None = "dev",
 ) -> list[Prompt]:
-    """``n`` prompts of exactly ``length`` tokens: natural ones first, then random-token ones.
+    """``n`` prompts of exactly ``length`` tokens from ``split`` (module docstring): natural ones first,
+    then random-token ones.
 
-    Natural prompts are drawn (seeded) from ``source`` among those with at least ``length``
-    tokens; ``round(n * (1 - natural_fraction))`` prompts are random tokens.
+    Natural prompts are drawn (seeded) from the split's lines of ``source`` among those with at least
+    ``length`` tokens; ``round(n * (1 - natural_fraction))`` prompts are random tokens.
     """
+    check_split(split, tunes=False)
     if n < 1:
         raise ValueError(f"need at least one prompt, got n={n}")
     if length < 1:
@@ -129,14 +166,15 @@ def prompt_set(
     if not 0.0 <= natural_fraction <= 1.0:
         raise ValueError(f"natural_fraction must lie in [0, 1], got {natural_fraction}")
     vocab_size = vocab_size or len(tokenizer)
-    generator = torch.Generator().manual_seed(seed)
+    # one stream per (seed, split); None (every line) keeps the stream of the seed alone, as before splits
+    generator = torch.Generator().manual_seed(seed if split is None else 2 * seed + 1 + SPLITS.index(split))
     n_random = round(n * (1.0 - natural_fraction))
     n_natural = n - n_random
-    long_enough = [(t, ids) for t in read_texts(source) if len(ids := encode(tokenizer, t, length)) == length]
+    texts = split_lines(read_texts(source), split)
+    long_enough = [(t, ids) for t in texts if len(ids := encode(tokenizer, t, length)) == length]
     if n_natural > len(long_enough):
-        raise ValueError(
-            f"asked for {n_natural} natural prompts of {length} tokens, {source} has {len(long_enough)}"
-        )
+        where = f"the {split} split of {source}" if split else str(source)
+        raise ValueError(f"asked for {n_natural} natural prompts of {length} tokens, {where} has {len(long_enough)}")
     order = torch.randperm(len(long_enough), generator=generator)[:n_natural].tolist()
     spans = read_spans(source)
     prompts = [Prompt(ids=long_enough[i][1], kind="natural", text=long_enough[i][0],
@@ -154,11 +192,14 @@ def load_prompts(
     return [p.ids for p in prompt_set(tokenizer, n, length=length, seed=seed, natural_fraction=natural_fraction, **kwargs)]
 
 
-def named_prompt_set(name_or_path: str, tokenizer, n: int, *, length: int = 20, seed: int = 0) -> list[Prompt]:
-    """A prompt set by name (``mixed`` 90/10, ``natural``, ``random``) or from a text file."""
+def named_prompt_set(name_or_path: str, tokenizer, n: int, *, length: int = 20, seed: int = 0,
+                     split: str | None = "dev") -> list[Prompt]:
+    """A prompt set by name (``mixed`` 90/10, ``natural``, ``random``), its ``split``; or a text file
+    (the user's own: not split)."""
     fractions = {"mixed": 0.9, "natural": 1.0, "random": 0.0}
     if name_or_path in fractions:
-        return prompt_set(tokenizer, n, length=length, seed=seed, natural_fraction=fractions[name_or_path])
+        return prompt_set(tokenizer, n, length=length, seed=seed, natural_fraction=fractions[name_or_path],
+                          split=split)
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"unknown prompt set {name_or_path!r}: use one of {list(PROMPT_SETS)} or a file path")

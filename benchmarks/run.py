@@ -62,6 +62,7 @@ from pathlib import Path
 from attacks.policies import POLICIES
 from attacks.registry import EXACT_ATTACKS, ROBUST, RUN_ATTACKS, AttackOptions, describe
 from benchmarks.config import MINIMUMS, RunConfig, sweep_configs
+from benchmarks.prompts import SPLITS
 from sipit.models import DTYPES
 from sipit.whitebox import EXPOSURES
 from benchmarks.run_outputs import RunState, flat_metrics, format_table, write_outputs
@@ -148,7 +149,7 @@ def check_against_model(config: RunConfig, loaded, clean_wb) -> tuple[int, list]
             raise BenchmarkUsageError(f"--utility-tokens {c.utility_tokens}: {err}") from None
     try:
         prompt_set = named_prompt_set(c.prompts, loaded.tokenizer, c.n_prompts, length=c.length,
-                                      seed=c.seeds["prompts"])
+                                      seed=c.seeds["prompts"], split=c.split)
     except ValueError as err:
         raise BenchmarkUsageError(f"--prompts {c.prompts!r}: {err}") from None
     prompt_set = [p for p in prompt_set if p.ids]
@@ -539,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--head-epochs", type=_minimum("--head-epochs"), default=DEFAULTS.head_epochs)
     d = p.add_argument_group("data and measurement")
     d.add_argument("--prompts", default="mixed", help="prompt set (mixed, natural, random) or a text file, one per line")
+    d.add_argument("--split", default=DEFAULTS.split, choices=SPLITS,
+                   help="which part of a named prompt set: test (final measurements) or dev (where options are "
+                        "chosen; benchmarks.prompts); a prompt file is not split")
     d.add_argument("--n-prompts", type=_minimum("--n-prompts"), default=DEFAULTS.n_prompts)
     d.add_argument("--length", type=_minimum("--length"), default=DEFAULTS.length,
                    help="tokens per prompt (at most the model's context length)")

@@ -19,7 +19,7 @@ from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTI
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
                "utility_tokens", "utility_use", "attacks", "budget", "sigma_low", "sigma_high", "tying_method",
-               "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts", "dtype")
+               "experiment", "bound", "policy", "startup_trials", "robust", "max_prompts", "dtype", "split")
 #: what the threshold constrains: the one-sided 95% upper bound of the strongest attack's token accuracy above
 #: its chance level (benchmarks.metrics.excess_bounds), its Clopper-Pearson upper bound (a claim that chance
 #: hits alone can defeat), or its point estimate (studies made before either)
@@ -33,9 +33,10 @@ MAY_BE_ZERO = {"radius_cap": 0}
 #: what a study stored before an option existed did in its place: it priced the served model, constrained the
 #: point estimate, ordered candidates by the gradient, drew 8 random startup trials and decoded noise with the
 #: radius stop; a budget stored before the radius decoder's cap had none (radius_cap 0: the vocabulary)
-#: radius stop; it attacked its n_prompts and no more (max_prompts = n_prompts, filled by stored_config)
+#: radius stop; it attacked its n_prompts and no more (max_prompts = n_prompts, filled by stored_config); it served
+#: fp32 and read every line of the prompt file (split None: before the dev/test split, benchmarks.prompts)
 LEGACY = {"utility_use": "served", "bound": "point", "policy": "gradient", "startup_trials": 8, "robust": "radius",
-          "dtype": "fp32"}
+          "dtype": "fp32", "split": None}
 LEGACY_BUDGET = {"radius_cap": 0}
 
 
@@ -60,7 +61,7 @@ def check_budget(budget) -> dict:
 def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_prompts, length, utility_tokens,
                 attacks, budget, sigma_low, sigma_high, tying_method, experiment, utility_use="continued",
                 bound="excess95", policy="learned", startup_trials=8, robust=SEARCH_ROBUST, max_prompts=None,
-                dtype="fp32") -> dict:
+                dtype="fp32", split="dev") -> dict:
     """Validated search configuration (everything that must agree between workers).
 
     ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
@@ -105,6 +106,13 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
 
     if dtype not in DTYPES:
         raise SearchUsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    from benchmarks.prompts import SplitRefused, check_split
+
+    if split is not None:  # None: every line of the prompt file, as studies stored before splits read it
+        try:
+            check_split(split, tunes=True, command="the search")
+        except (SplitRefused, ValueError) as err:
+            raise SearchUsageError(str(err)) from None
     if bound not in BOUNDS:
         raise SearchUsageError(f"--bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     if max_prompts is None:
@@ -116,7 +124,7 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
                 attacks=list(attacks), budget=check_budget(budget), sigma_low=float(sigma_low),
                 sigma_high=float(sigma_high), tying_method=tying_method, experiment=experiment, utility_use=utility_use,
                 bound=bound, policy=policy, startup_trials=int(startup_trials), robust=robust, max_prompts=max_prompts,
-                dtype=dtype)
+                dtype=dtype, split=split)
 
 
 def make_sampler(config: dict, worker: int, attach_count: int = 0):

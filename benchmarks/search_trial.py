@@ -40,7 +40,8 @@ def trial_context(config: dict, device: str = "auto"):
 
     def prompt_ids(n: int) -> list[list[int]]:
         prompts = _checked(lambda: named_prompt_set(config["prompts"], loaded.tokenizer, n, length=config["length"],
-                                                    seed=config["seed"]), f"--prompts {config['prompts']}")
+                                                    seed=config["seed"], split=config["split"]),
+                           f"--prompts {config['prompts']}")
         return [p.ids for p in prompts if p.ids]
 
     first = prompt_ids(config["n_prompts"])

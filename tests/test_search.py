@@ -305,7 +305,7 @@ def test_a_study_stored_before_an_option_existed_is_checked_and_run_as_it_was_ma
     with pytest.raises(SearchUsageError) as refused:
         search.check_same_config(legacy, config)
     changed = [k for k in LEGACY if LEGACY[k] != config[k]]  # dtype: studies before it served fp32, still the default
-    assert "dtype" not in changed and len(changed) == len(LEGACY) - 1
+    assert "dtype" not in changed and len(changed) == len(LEGACY) - 1 and config["split"] == "dev"
     assert all(f"{k}: " in str(refused.value) for k in [*changed, "budget"])
     ctx = trial_context(filled)
     assert (ctx.robust, ctx.policy, ctx.utility_use, ctx.budget.radius_cap) == ("radius", "gradient", "served", 0)

@@ -37,7 +37,7 @@ from attacks.sipit import SipIt
 from benchmarks.cli import UsageError, arg, check_int, check_names, run_main, split_list
 from benchmarks.out_dir import claim
 from benchmarks.experiments.speed import check_layer_spec, named_layers
-from benchmarks.prompts import named_prompt_set
+from benchmarks.prompts import SPLITS, named_prompt_set
 from sipit.atomic import write_text_atomic
 from sipit.models import DTYPES, ModelLoadError, load_model, resolve_device
 from sipit.resources import peak_rss
@@ -89,18 +89,19 @@ def invert_exposure(loaded, exposure: str, layer: int, prompts: list[list[int]],
 
 
 def measure(models: list[str], dtypes: list[str], exposures: list[str], layers: str, *, n_prompts: int, length: int,
-            device: str = "auto", seed: int = 0, progress: bool = False) -> list[dict]:
+            device: str = "auto", seed: int = 0, split: str = "test", progress: bool = False) -> list[dict]:
     """One row per (model, dtype, exposure, layer); see the module docstring."""
     rows = []
     for model in models:
         for dtype in dtypes:
             loaded, load = load_measured(model, dtype, device)
-            prompts = [p.ids for p in named_prompt_set("natural", loaded.tokenizer, n_prompts, length=length, seed=seed)]
+            prompts = [p.ids for p in named_prompt_set("natural", loaded.tokenizer, n_prompts, length=length, seed=seed,
+                                                       split=split)]
             for exposure in exposures:
                 wb = WhiteBox(loaded.model, exposure=exposure)
                 for layer in named_layers(layers, wb):
                     row = invert_exposure(loaded, exposure, layer, prompts, seed=seed, progress=progress)
-                    rows.append({"model": model, "dtype": dtype, "device": str(wb.device), **load, **row})
+                    rows.append({"model": model, "split": split, "dtype": dtype, "device": str(wb.device), **load, **row})
             del loaded
     return rows
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=arg(check_int, low=1), default=20)
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N, mps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=SPLITS, default="test", help="the natural prompts' split (benchmarks.prompts)")
     p.add_argument("--out", default="results/exposures")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
@@ -144,7 +146,8 @@ def exposures_command(args: argparse.Namespace) -> int:
     out = claim(args.out)  # writable and ours, before any model loads
     try:
         rows = measure(models, dtypes, exposures, args.layers, n_prompts=args.n_prompts, length=args.length,
-                       device=args.device, seed=args.seed, progress=args.progress)
+                       device=args.device, seed=args.seed, split=args.split,
+                       progress=args.progress)
         table = format_rows(rows)
         write_text_atomic(out.path / "exposures.json", json.dumps({"argv": vars(args), "rows": rows}, indent=1))
         write_text_atomic(out.path / "exposures.md", table + "\n")

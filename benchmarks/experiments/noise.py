@@ -55,7 +55,7 @@ from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
 from benchmarks.cli import (arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once,
                             run_main)
-from benchmarks.prompts import load_prompts
+from benchmarks.prompts import SPLITS, load_prompts
 from sipit.atomic import write_text_atomic
 from sipit.margins import margin_from_states
 from sipit.models import DEFAULT_MODEL, load_model
@@ -377,11 +377,12 @@ def run(model: str, layer: int, sigmas: list[float], args, out: Path | None = No
     wb = WhiteBox(lm.model)
     layer = wb.resolve_layer(layer)
     wb.check_length(args.length, "--length")
-    prompts = load_prompts(lm.tokenizer, args.n_prompts, length=args.length, seed=args.seed)
+    prompts = load_prompts(lm.tokenizer, args.n_prompts, length=args.length, seed=args.seed, split=args.split)
     exact_rows, tables = exact_part(wb, prompts[: args.exact_prompts], layer, sigmas, args.draws,
                                     args.exact_positions, args.chunk, args.seed)
     deltas = {(r["prompt"], r["position"]): r["delta"] for r in exact_rows}
-    meta = {"model": model, "layer": layer, "d": wb.d, "n_prompts": len(prompts), "length": args.length,
+    meta = {"model": model, "layer": layer, "d": wb.d, "split": args.split, "n_prompts": len(prompts),
+            "length": args.length,
             "draws": args.draws, "exact_positions_total": len({(r["prompt"], r["position"]) for r in exact_rows}),
             "args": vars(args), "threads": torch.get_num_threads()}
 
@@ -484,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma list of {', '.join(DECODERS)}")
     ap.add_argument("--chunk", type=count, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", choices=SPLITS, default="dev",
+                    help="the prompts' split (benchmarks.prompts): dev while decoders and options are compared and "
+                         "diagnosed; test once, for the final figures of the chosen options")
     ap.add_argument("--threads", type=count, default=None)
     ap.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('noise')})")
     ap.add_argument("--rescore", default=None, metavar="NOISE_JSON",

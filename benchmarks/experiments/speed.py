@@ -36,7 +36,7 @@ from attacks.policies import POLICIES, LearnedPolicy, RandomPolicy, make_policy
 from attacks.proposals import true_ranks
 from attacks.sipit import SipIt
 from benchmarks.cli import arg, check_int, default_out_dir, run_main, split_list, usage_error
-from benchmarks.prompts import prompt_set
+from benchmarks.prompts import SPLITS, prompt_set
 from sipit.models import DEFAULT_MODEL, load_model
 from sipit.prior import NextTokenPrior
 from sipit.tolerance import acceptance_radius
@@ -133,6 +133,7 @@ def run_speed(
     seed: int = 0,
     out: str | Path | None = None,
     policy: str = "learned",
+    split: str = "test",
 ) -> dict:
     """Measure SipIt vs BruteForce; write ``speed.json`` and ``speed.md`` under ``out``
     (default :func:`benchmarks.cli.default_out_dir` ``("speed")``). Bad values raise
@@ -147,11 +148,11 @@ def run_speed(
     whitebox = WhiteBox(loaded.model)
     layer_list = named_layers(layers, whitebox)
     whitebox.check_length(length, "--length")
-    prompts = prompt_set(loaded.tokenizer, n_prompts, length=length, seed=seed)
+    prompts = prompt_set(loaded.tokenizer, n_prompts, length=length, seed=seed, split=split)
     vocab = whitebox.vocab_size
     report = {"model": model, "n_prompts": n_prompts, "length": length, "vocab_size": vocab,
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "policy": policy, "layers": []}
+              "torch": torch.__version__, "policy": policy, "split": split, "layers": []}
     for layer in layer_list:
         sipit = SipIt(make_policy(policy), seed=seed)
         one_time = prepare_policy(sipit.policy, whitebox, layer, loaded.tokenizer)
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of first, middle, last or layer numbers (negative: from the end)")
     parser.add_argument("--bruteforce-positions", type=arg(check_int, low=1), default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", choices=SPLITS, default="test", help="the prompts' split (benchmarks.prompts)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="learned",
                         help="SipIt's candidate order (gradient: no learned parts, as before)")
     parser.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('speed')})")
@@ -280,7 +282,7 @@ def speed_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = Path(args.out) if args.out is not None else default_out_dir("speed")
     run_speed(args.model, args.n_prompts, args.length, args.layers, args.bruteforce_positions, args.seed, out,
-              args.policy)
+              args.policy, args.split)
     print(f"total {time.perf_counter() - started:.0f} s; written to {out}/speed.json and speed.md")
     return 0
 

@@ -51,7 +51,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) ->
 
     def achieved(sigma: float) -> float:
         a, b = sensitivity / (2 * sigma), epsilon * sigma / sensitivity
-        return float(norm.cdf(a - b) - math.exp(epsilon) * norm.cdf(-a - b))
+        return float(norm.cdf(a - b) - math.exp(epsilon + norm.logcdf(-a - b)))  # log space: e^eps overflows
 
     low, high = 1e-12 * sensitivity, sensitivity
     while achieved(high) > delta:

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attacks.registry import AttackOptions, Exposure, build
-from defenses.base import chain_members, find_member
+from defenses.base import chain_members
 
 
 @dataclass
@@ -57,17 +57,16 @@ class Exposed:
         return self.attacker_wb
 
     def knowledge(self, i: int) -> Exposure:
-        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure).
+        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure), as the defence
+        declares it (defenses.base.Defense.knowledge: the pooling, the tying groups), given the measured
+        noise sigma and whether the states are exactly the attacker's.
 
         The naive attacker (``knows_defense=False``) holds the original weights and does not know the
         noise sigma or the storage format's error: inexact states then get the nearest neighbour on the
         gradient shortlist. The pooling stays known either way: a pooled exposure has no per-position
         states for any other attack to read."""
-        pooling = None if self.chain.per_position else chain_members(self.chain)[-1]
-        tying = find_member(self.chain, "tying")
-        groups = tying.groups() if tying is not None and self.exact[i] else None  # exact: it holds the tied model
         sigma = self.sigmas[i] if self.knows_defense else 0.0
-        return Exposure(sigma=sigma, exact=self.exact[i], pooling=pooling, groups=groups)
+        return self.chain.knowledge(Exposure(sigma=sigma, exact=self.exact[i]), self.knows_defense)
 
 
 def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, seed: int,

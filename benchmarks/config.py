@@ -28,7 +28,7 @@ from benchmarks.cli import UsageError, check_float, check_int, check_names
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
 MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 0, "head_epochs": 1, "beam_width": 1,
-            "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0}
+            "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0, "known_pairs": 0}
 #: legacy defence flags (keyword names of run_benchmark) -> how each maps onto defence parameters
 LEGACY_FLAGS = ("sigma", "sigma_rel", "placement", "quant", "quant_activations", "tie_groups", "tie_rare", "pool",
                 "pool_window", "pool_dims")
@@ -105,6 +105,7 @@ class RunConfig:
     beam_width: int = AttackOptions.beam_width
     radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)
     knows_defense: bool = True
+    known_pairs: int = 0  # known (prompt, exposure) pairs the key-recovery attacker gets (keyed defences)
     prompts: str = "mixed"
     n_prompts: int = 20
     length: int = 20
@@ -195,7 +196,9 @@ class RunConfig:
                     **({"policy": self.policy} if self.policy != "gradient" else {}),
                     # a cap is recorded; no cap (the vocabulary) is how every run before the option worked
                     **({"radius_budget": self.radius_budget} if self.radius_budget else {}),
-                    knows_defense=self.knows_defense, prompts=self.prompts, n_prompts=self.n_prompts,
+                    knows_defense=self.knows_defense,
+                    **({"known_pairs": self.known_pairs} if self.known_pairs else {}),  # earlier runs keep their hash
+                    prompts=self.prompts, n_prompts=self.n_prompts,
                     length=self.length, seed=self.seed, head_tokens=self.head_tokens, head_epochs=self.head_epochs,
                     margin_positions=self.margin_positions, utility_tokens=self.utility_tokens,
                     experiment=self.experiment)

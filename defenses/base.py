@@ -12,7 +12,8 @@ A defence acts in up to three places (docs/architecture.md, "Where a defence act
   original full-precision weights).
 
 What the attacker knows of the exposure is declared by the defence too: :meth:`Defense.knowledge`
-adds its part to an ``attacks.registry.Exposure`` (the pooling, the tying groups), which ``attacks.registry.strongest`` reads to pick the attack; a chain folds its
+adds its part to an ``attacks.registry.Exposure`` (the pooling, the tying groups, the keyed scheme,
+the DP mechanism), which ``attacks.registry.strongest`` reads to pick the attack; a chain folds its
 members' declarations in order. The formal guarantee a defence claims, if any, is
 :meth:`Defense.guarantee`.
 

@@ -22,7 +22,9 @@ Attacks (``--attacks``, comma list):
   own loop accepting the first token within the chi^2 noise radius, else the nearest of
   ``--radius-budget`` candidates; docs/noise.md); nearest neighbour on the gradient shortlist for
   inexact states whose error the attacker does not know (``--no-knows-defense``); the pooled beam
-  search on pooled exposure.
+  search on pooled exposure; key recovery on a keyed exposure (permute, rotate; ``--known-pairs``).
+- ``blind``: the ``--robust`` noise decoder not told sigma: it estimates it from the exposure
+  (attacks.blind), beside ``sipit``'s informed decoder.
 - ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
   (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
   ``softmax-head-adaptive`` trained on states passed through the defence's exposure.

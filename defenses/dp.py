@@ -166,6 +166,14 @@ class DPNoise(Defense):
         self._attacker = (loaded.model, layer, attacker)
         return attacker
 
+    def check_exposure(self, exposure: str, d: int) -> None:
+        """The residual exposure only, for now: the informed attacker clips its candidates through a hook on the
+        residual stream (:meth:`attacker_model`), which the keys and values of the ``kv`` exposure never pass
+        through (and the elliptical scale is fitted on the residual stream)."""
+        if exposure != "residual":
+            raise DefenseParamError(f"dp acts on the residual exposure only for now (got {exposure!r}): its informed "
+                                    "attacker clips residual states, not the keys and values it computes")
+
     def knowledge(self, exposure, knows_defense: bool = True):
         """The mechanism, its parameters and noise scale (the Gaussian's sigma, the Laplace rate eta); the
         per-coordinate standard deviation the decoders take is the exposure's sigma (:meth:`noise_sigma`)."""

@@ -72,6 +72,9 @@ def test_keyed_and_dp_exposures_declare_their_scheme_and_get_their_attacker(tiny
     torch.testing.assert_close(attacker.states(ids, 2).norm(dim=-1), torch.full((len(ids),), 0.1))
     assert torch.equal(attacker.states(ids, 1), clean_wb.states(ids, 1))
     assert dp.noise_norms[0] == pytest.approx([float(n) for n in (dp.states[0] - attacker.states(ids, 2)).norm(dim=-1)])
+    chain.check_exposure("residual", 64)
+    with pytest.raises(ValueError, match="residual exposure only"):
+        chain.check_exposure("kv", 64)  # its attacker cannot clip keys and values yet
 
 
 @pytest.mark.parametrize("defense", ["permute", "rotate"])

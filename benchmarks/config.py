@@ -194,11 +194,11 @@ class RunConfig:
                     attacks=list(self.attacks), robust=self.robust, beam_width=self.beam_width,
                     # the policy is recorded when not the default, so earlier runs keep their hash (sweep resume)
                     **({"policy": self.policy} if self.policy != "gradient" else {}),
+                    # known pairs are recorded when given, so runs without them keep their hash
+                    **({"known_pairs": self.known_pairs} if self.known_pairs else {}),
                     # a cap is recorded; no cap (the vocabulary) is how every run before the option worked
                     **({"radius_budget": self.radius_budget} if self.radius_budget else {}),
-                    knows_defense=self.knows_defense,
-                    **({"known_pairs": self.known_pairs} if self.known_pairs else {}),  # earlier runs keep their hash
-                    prompts=self.prompts, n_prompts=self.n_prompts,
+                    knows_defense=self.knows_defense, prompts=self.prompts, n_prompts=self.n_prompts,
                     length=self.length, seed=self.seed, head_tokens=self.head_tokens, head_epochs=self.head_epochs,
                     margin_positions=self.margin_positions, utility_tokens=self.utility_tokens,
                     experiment=self.experiment)

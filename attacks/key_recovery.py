@@ -22,8 +22,11 @@ needs to tell candidates apart:
   (:func:`procrustes`), least squares for a general invertible mixing (:func:`least_squares_mixing`),
   the assignment problem for a permutation (:func:`assign_permutation`, which needs far fewer rows).
 
-:class:`KeyedAttack` is the registered attack: it tries the invariants first (exact when they hold),
-then the known pairs, and says in its records which route it took.
+:class:`KeyedAttack` is the registered attack ("key-recovery", attacks.registry): it tries the invariants
+first (exact when they hold), then the known pairs, and says in its records which route it took. When
+neither gives a key (a general invertible mixing and too few known rows), it raises, or with
+``fallback=True`` (the registry's: a benchmark scores the attacker, it does not stop) returns the model's
+greedy prior guess, every position unverified: what an attacker without the key outputs.
 """
 
 from __future__ import annotations
@@ -87,13 +90,16 @@ def gram_residual(candidates: torch.Tensor, decoded: torch.Tensor, invariants: t
 # --------------------------------------------------------------------------- the attack
 class KeyedAttack:
     """Inversion of an exposure mixed by a secret key (module docstring). ``scheme``: ``permute`` or
-    ``rotate``; ``known``: (token ids, exposed states) pairs of other prompts under the same key."""
+    ``rotate``; ``known``: (token ids, exposed states) pairs of other prompts under the same key; ``policy``: the
+    candidate order of the SipIt that decodes the un-mixed states (attacks.policies; default: learned)."""
 
     def __init__(self, scheme: str, known: list[tuple[list[int], torch.Tensor]] | None = None, *,
-                 rel_tol: float = DEFAULT_REL_TOL, budget: int = 4096, progress: bool = False):
+                 rel_tol: float = DEFAULT_REL_TOL, budget: int = 4096, progress: bool = False, fallback: bool = False,
+                 policy=None, seed: int = 0):
         if scheme not in ("permute", "rotate"):
             raise ValueError(f"scheme must be permute or rotate, got {scheme!r}")
         self.scheme, self.known, self.rel_tol, self.budget, self.progress = scheme, known or [], rel_tol, budget, progress
+        self.fallback, self.policy, self.seed = fallback, policy, seed
         self.route = ""  # how the last call decoded: which invariant, or which key estimate
 
     @property
@@ -111,14 +117,35 @@ class KeyedAttack:
         table = position_zero_table(whitebox, layer, progress=self.progress).states
         unmixed = self._unmixed(observed, whitebox, layer, table)
         if unmixed is not None:
-            inversion = SipIt(seed=0).invert(unmixed, whitebox, layer, tokenizer)
+            inversion = SipIt(self.policy, seed=self.seed).invert(unmixed, whitebox, layer, tokenizer)
             inversion.seconds = time.perf_counter() - started
+            inversion.setup = [*inversion.setup, f"key-recovery: {self.route}"]
             return inversion
-        if self.scheme == "rotate":
-            self.route = "gram invariants (no key: inner products are what a rotation keeps)"
-            return self._gram_decode(observed, whitebox, layer, table, tokenizer, started)
-        raise SipitInputError("no key estimate: the exposure's position-0 values match no token's, and no known "
-                              "pairs were given")
+        try:
+            if self.scheme == "rotate":
+                self.route = "gram invariants (no key: inner products are what a rotation keeps)"
+                return self._gram_decode(observed, whitebox, layer, table, tokenizer, started)
+            raise SipitInputError("no key estimate: the exposure's position-0 values match no token's, and no known "
+                                  "pairs were given")
+        except SipitInputError as err:
+            if not self.fallback:
+                raise
+            self.route = f"failed ({err}): the prior's greedy guess"
+            return self._prior_guess(observed.shape[0], whitebox, tokenizer, started)
+
+    def _prior_guess(self, length: int, whitebox: WhiteBox, tokenizer, started: float) -> Inversion:
+        """The model's greedy next-token guess for ``length`` positions, none verified (no key, no invariant)."""
+        from sipit.prior import NextTokenPrior
+
+        prior, path = NextTokenPrior(whitebox.model), []
+        for _ in range(length):
+            logprobs = prior.logprobs
+            path.append(0 if logprobs is None else int(logprobs.argmax()))
+            prior.push(path[-1])
+        seconds = time.perf_counter() - started
+        records = [PositionRecord(t, v, float("nan"), 0.0, 0, seconds / length, False) for t, v in enumerate(path)]
+        return Inversion(ids=path, text=tokenizer.decode(path) if tokenizer is not None else "", positions=records,
+                         seconds=seconds, vocab_size=whitebox.vocab_size, setup=[f"key-recovery: {self.route}"])
 
     def _unmixed(self, observed: torch.Tensor, whitebox: WhiteBox, layer: int, table: torch.Tensor):
         """The exposure with the key undone, or None when neither route gives a key."""

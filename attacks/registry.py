@@ -4,8 +4,9 @@ An attack is built from two things:
 
 - :class:`Exposure`: what the attacker knows about the states it inverts: the absolute noise
   sigma per coordinate (0: none), whether the states are exactly the model's (``exact``: no noise,
-  no quantised activations), and the pooling defence when the exposure is pooled (no
-  per-position states).
+  no quantised activations), the pooling defence when the exposure is pooled (no
+  per-position states), the tying groups, the keyed scheme (and any known (prompt, exposure) pairs
+  under its key) and the DP mechanism. Each defence declares its part (defenses.base.Defense.knowledge).
 - :class:`AttackOptions`: the caller's choices: the noise-robust decoder (``robust``), beam
   width, seed, and the budget that bounds the shortlist decoders (``shortlist``: CandidateScorer
   overrides; ``max_candidates`` for the radius stop; the pooled beam's ``pooled_beam`` and
@@ -16,6 +17,8 @@ An attack is built from two things:
 the exposure (:func:`strongest`):
 
     pooled exposure              -> "pooled-beam"   (attacks.pooled.PooledBeamAttack)
+    keyed exposure               -> "key-recovery"  (attacks.key_recovery.KeyedAttack: the key's invariants,
+                                                     else the key from ``options.known_pairs`` known pairs)
     exact states of a tied model -> "sipit-member"  (attacks.tied.MemberByPrior: SipIt for the group,
                                                      the served model's prior for the member)
     sigma > 0                    -> ROBUST[options.robust]: "map" (the default: greedy MAP over the
@@ -40,6 +43,10 @@ stronger attacker: smollm2, 20 x 20 tokens, layer 15, sigma 10: radius 0.605, MA
 sigma 10: 0.970 vs 0.988 (docs/defenses.md). The radius stop remains the cheap choice where 13.9 sigma
 is below the margins.
 
+``"blind"`` is the noise decoder ``options.robust`` names, not told sigma: it estimates it from the exposure
+(attacks.blind.BlindAttack); a run asks for it beside ``"sipit"`` to set the informed attacker's leakage beside
+the blind one's.
+
 The trained baseline (``softmax-head``, attacks.head) is named here too but is trained per run, not
 built: :data:`TRAINED` lists it for the callers that train it (benchmarks.pipeline).
 ``inverse-head`` is the classification baseline made of the learned inverse heads (attacks.head.
@@ -48,12 +55,14 @@ InverseHeadAttack; trained once per model and layer and cached, attacks.proposal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
+from attacks.blind import BlindAttack
 from attacks.head import InverseHeadAttack
+from attacks.key_recovery import KeyedAttack
 from attacks.policies import LearnedPolicy, RandomPolicy, make_policy
 from attacks.pooled import PooledBeamAttack
 from attacks.robust import GRADIENT_SHORTLIST, MapBeamSearch, MapDecoder, NearestNeighbour
@@ -69,6 +78,9 @@ class Exposure:
     exact: bool = True  # the states equal the attacker model's own (bit for bit)
     pooling: object | None = None  # the defences.pooling.Pooling member when the exposure is pooled
     groups: torch.Tensor | None = None  # token -> tied group (defenses.tying) when the attacker holds the tied model
+    keyed: dict | None = None  # the keyed mixing's scheme, scope, rank (defenses.keyed), never the key
+    known: tuple = ()  # (token ids, exposed states) pairs under the keyed exposure's key that the attacker knows
+    dp: dict | None = None  # the DP mechanism, its parameters and noise scale (defenses.dp)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class AttackOptions:
     pooled_beam: int | None = None
     pooled_topk: int | None = None
     progress: bool = False  # progress bars (with ETA) of the one-time builds: position-0 table, inverse heads
+    known_pairs: int = 0  # known (prompt, exposure) pairs the key-recovery attacker gets (benchmarks.pipeline)
 
 
 def _given(**kwargs) -> dict:
@@ -104,6 +117,21 @@ def _pooled(e: Exposure, o: AttackOptions):
     """The pooled beam; with the learned policy its candidates add the learned proposals (attacks.pooled)."""
     proposals = LearnedPolicy(progress=o.progress) if o.policy == "learned" else None
     return PooledBeamAttack(e.pooling, proposals=proposals, **_given(beam=o.pooled_beam, topk=o.pooled_topk))
+
+
+def _keyed(e: Exposure, o: AttackOptions):
+    """Key recovery for the keyed scheme, with the known pairs of the exposure (at most ``options.known_pairs``)."""
+    if e.keyed is None:
+        raise ValueError("key-recovery attacks a keyed exposure (defenses.keyed: permute, rotate); this one is not")
+    return KeyedAttack(e.keyed["scheme"], known=list(e.known[: o.known_pairs]), progress=o.progress, fallback=True,
+                       policy=make_policy(o.policy, progress=o.progress), seed=o.seed)
+
+
+def _blind(e: Exposure, o: AttackOptions):
+    """The ``options.robust`` noise decoder, built for the sigma it estimates from the exposure."""
+    if o.robust not in ROBUST:
+        raise ValueError(f"robust must be one of {tuple(ROBUST)}, got {o.robust!r}")
+    return BlindAttack(lambda sigma: BUILDERS[ROBUST[o.robust]](replace(e, sigma=sigma), o), progress=o.progress)
 
 
 #: name -> builder(exposure, options). Adding an attack is one entry here.
@@ -123,13 +151,15 @@ BUILDERS: dict[str, Callable[[Exposure, AttackOptions], object]] = {
                                                                        refine_k=o.beam_refine_k), **_shortlist(o)),
     "pooled-beam": _pooled,
     "inverse-head": lambda e, o: InverseHeadAttack(progress=o.progress),
+    "key-recovery": _keyed,
+    "blind": _blind,
 }
 #: --robust choice -> the decoder used under Gaussian noise
 ROBUST = {"map": "map", "beam": "beam", "shortlist": "nn-shortlist", "radius": "nn-heuristic"}
 #: attacks that are trained on a corpus rather than built (benchmarks.pipeline trains them)
 TRAINED = ("softmax-head",)
 #: the names a benchmark run accepts in --attacks
-RUN_ATTACKS = ("sipit", "softmax-head", "inverse-head", "bruteforce")
+RUN_ATTACKS = ("sipit", "softmax-head", "inverse-head", "bruteforce", "blind")
 #: attacks whose ``verified`` flags mean "exact acceptance" on exact exposure (attacks.result.layer_hint)
 EXACT_ATTACKS = ("sipit", "bruteforce")
 
@@ -140,6 +170,8 @@ def strongest(exposure: Exposure, options: AttackOptions) -> str:
         raise ValueError(f"robust must be one of {tuple(ROBUST)}, got {options.robust!r}")
     if exposure.pooling is not None:
         return "pooled-beam"
+    if exposure.keyed is not None:
+        return "key-recovery"
     if exposure.sigma > 0:
         return ROBUST[options.robust]
     if not exposure.exact:

@@ -30,7 +30,7 @@ from sipit.whitebox import EXPOSURES
 
 #: the smallest value of each integer option (field -> minimum), checked by the CLI and RunConfig alike
 MINIMUMS = {"n_prompts": 1, "length": 1, "head_tokens": 0, "head_epochs": 1, "beam_width": 1,
-            "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0}
+            "utility_tokens": 0, "margin_positions": -1, "radius_budget": 0, "known_pairs": 0}
 #: legacy defence flags (keyword names of run_benchmark) -> how each maps onto defence parameters
 LEGACY_FLAGS = ("sigma", "sigma_rel", "placement", "quant", "quant_activations", "tie_groups", "tie_rare", "pool",
                 "pool_window", "pool_dims")
@@ -110,6 +110,7 @@ class RunConfig:
     beam_width: int = AttackOptions.beam_width
     radius_budget: int = 1024  # candidates the radius decoder verifies per position at most (0: the vocabulary)
     knows_defense: bool = True
+    known_pairs: int = 0  # known (prompt, exposure) pairs the key-recovery attacker gets (keyed defences)
     prompts: str = "mixed"
     split: str = "test"  # the prompts' split (benchmarks.prompts): a run is a final measurement; choose options on dev
     n_prompts: int = 20
@@ -211,6 +212,8 @@ class RunConfig:
                     attacks=list(self.attacks), robust=self.robust, beam_width=self.beam_width,
                     # the policy is recorded when not the default, so earlier runs keep their hash (sweep resume)
                     **({"policy": self.policy} if self.policy != "gradient" else {}),
+                    # known pairs are recorded when given, so runs without them keep their hash
+                    **({"known_pairs": self.known_pairs} if self.known_pairs else {}),
                     # a cap is recorded; no cap (the vocabulary) is how every run before the option worked
                     **({"radius_budget": self.radius_budget} if self.radius_budget else {}),
                     knows_defense=self.knows_defense, prompts=self.prompts, split=self.split, n_prompts=self.n_prompts,

@@ -20,14 +20,14 @@ the head trained against it are the same in both:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from attacks.registry import AttackOptions, Exposure, build
-from defenses.base import chain_members, find_member
+from defenses.base import chain_members
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Exposed:
     state_rms: list[float]  # RMS of the served model's layer-l states, per prompt (the unit of a relative sigma)
     served_shape: bool = False  # verify candidates at the served shape (the attacker holds shape-dependent weights)
     knows_defense: bool = True  # False: the naive attacker (original weights, no noise sigma or format error)
+    known: list = field(default_factory=list)  # (ids, exposed states) pairs the attacker knows (add_known_pairs)
 
     def verifier(self, i: int):
         """The WhiteBox that verifies prompt ``i``'s candidates: ``attacker_wb``, at the served shape
@@ -57,17 +58,38 @@ class Exposed:
         return self.attacker_wb
 
     def knowledge(self, i: int) -> Exposure:
-        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure).
+        """What the attacker knows about prompt ``i``'s exposure (attacks.registry.Exposure), as the defence
+        declares it (defenses.base.Defense.knowledge: the pooling, the tying groups, the keyed scheme, the DP
+        mechanism), given the measured noise sigma and whether the states are exactly the attacker's.
 
         The naive attacker (``knows_defense=False``) holds the original weights and does not know the
         noise sigma or the storage format's error: inexact states then get the nearest neighbour on the
         gradient shortlist. The pooling stays known either way: a pooled exposure has no per-position
-        states for any other attack to read."""
-        pooling = None if self.chain.per_position else chain_members(self.chain)[-1]
-        tying = find_member(self.chain, "tying")
-        groups = tying.groups() if tying is not None and self.exact[i] else None  # exact: it holds the tied model
+        states for any other attack to read. Known (prompt, exposure) pairs (:func:`add_known_pairs`) go
+        to an attacker of a keyed exposure."""
         sigma = self.sigmas[i] if self.knows_defense else 0.0
-        return Exposure(sigma=sigma, exact=self.exact[i], pooling=pooling, groups=groups)
+        exposure = self.chain.knowledge(Exposure(sigma=sigma, exact=self.exact[i]), self.knows_defense)
+        if exposure.keyed is not None and self.known:
+            exposure = replace(exposure, known=tuple(self.known))
+        return exposure
+
+
+def add_known_pairs(exposed: "Exposed", k: int, seed: int) -> None:
+    """Give the attacker ``k`` known (prompt, exposure) pairs (``exposed.known``): random-token prompts of
+    the exposed prompts' length, drawn with ``seed``, passed through the defence's exposure as the provider
+    would serve them (a deployment key is the target's key; a per-prompt key is fresh for each, drawn from
+    a stream of their own). Their states are the attacker model's, i.e. the served model's whenever the
+    attacker holds the served weights. Nothing for ``k`` = 0 or pairs already given."""
+    from benchmarks.prompts import prompt_set
+
+    if k <= 0 or len(exposed.known) >= k:
+        return
+    length = max(len(ids) for ids in exposed.prompt_ids)
+    prompts = prompt_set(exposed.attacker.tokenizer, k, length=length, seed=seed, natural_fraction=0.0,
+                         vocab_size=exposed.attacker_wb.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    exposed.known = [(p.ids, exposed.chain.expose(exposed.attacker_wb.states(p.ids, exposed.layer), generator))
+                     for p in prompts[:k]]
 
 
 def expose(chain, loaded, clean_wb, layer: int, prompt_ids: list[list[int]], *, seed: int,
@@ -120,7 +142,10 @@ def naive_fp32(exposed: Exposed, fp32) -> Exposed:
 
 
 def attack_for(exposed: Exposed, i: int, name: str, options: AttackOptions):
-    """The registered attack ``name`` built for prompt ``i``'s exposure."""
+    """The registered attack ``name`` built for prompt ``i``'s exposure (with ``options.known_pairs`` known
+    pairs, :func:`add_known_pairs`, where the exposure is keyed)."""
+    if options.known_pairs and exposed.knowledge(i).keyed is not None:
+        add_known_pairs(exposed, options.known_pairs, seed=options.seed + 1000)
     return build(name, exposed.knowledge(i), options)
 
 

@@ -22,7 +22,9 @@ Attacks (``--attacks``, comma list):
   own loop accepting the first token within the chi^2 noise radius, else the nearest of
   ``--radius-budget`` candidates; docs/noise.md); nearest neighbour on the gradient shortlist for
   inexact states whose error the attacker does not know (``--no-knows-defense``); the pooled beam
-  search on pooled exposure.
+  search on pooled exposure; key recovery on a keyed exposure (permute, rotate; ``--known-pairs``).
+- ``blind``: the ``--robust`` noise decoder not told sigma: it estimates it from the exposure
+  (attacks.blind), beside ``sipit``'s informed decoder.
 - ``softmax-head``: the learned head of attacks.head, trained on the offline corpus
   (benchmarks.corpus). Under a defence two variants run: trained on clean states, and
   ``softmax-head-adaptive`` trained on states passed through the defence's exposure.
@@ -301,6 +303,9 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
                      progress=progress)
     results["defense"]["sigma_abs_median"] = median(exposed.sigmas)
     results["defense"]["exposure_exact"] = all(exposed.exact)
+    guarantee = chain.guarantee(max(len(ids) for ids in truths))  # a formal claim (defenses.dp); T: the longest prompt
+    if guarantee is not None:
+        results["defense"]["guarantee"] = guarantee
     results["margins"] = margins_on_subset(exposed, config.margin_positions, seeds["margin_positions"], progress=progress)
     m = results["margins"]
     results["noise"] = noise_summary(exposed.sigmas, exposed.state_rms, exposed.noise_norms, m["positions"], m["deltas"])
@@ -327,12 +332,13 @@ def _run(state: RunState, tracker, config: RunConfig, loaded, clean_wb, layer: i
         plan.insert(plan.index(("sipit", "sipit")) + 1, ("sipit-fp32", "sipit"))
         attacked["sipit-fp32"] = naive_fp32(exposed, load_model(config.model, dtype="fp32", device=config.device))
     options = AttackOptions(robust=config.robust, beam_width=config.beam_width, seed=seeds["attack"],
-                            policy=config.policy, max_candidates=config.radius_budget or None, progress=progress)
+                            policy=config.policy, max_candidates=config.radius_budget or None, progress=progress,
+                            known_pairs=config.known_pairs)
     for result_name, kind in plan:
         log(f"[run] attack {result_name} started", file=sys.stderr)
-        if kind.startswith("head") and not chain.per_position:
+        if (kind.startswith("head") or kind == "blind") and not chain.per_position:
             results["attacks"][result_name] = {"skipped": "pooled exposure has no per-position states",
-                                               "decoder": "SoftmaxHead"}
+                                               "decoder": "BlindAttack" if kind == "blind" else "SoftmaxHead"}
             continue
         _attack(state, tracker, attacked[result_name], prompt_set, result_name, kind, options, seeds, loaded.tokenizer,
                 head_tokens=config.head_tokens, head_epochs=config.head_epochs, progress=progress, log=log)
@@ -533,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the naive attacker: the original weights only, not the noise sigma or the storage "
                         "format's error (inexact states: nearest neighbour on the gradient shortlist), and no "
                         "softmax head trained on defended states")
+    a.add_argument("--known-pairs", type=_minimum("--known-pairs"), default=DEFAULTS.known_pairs,
+                   help="keyed defences (permute, rotate): known (prompt, exposure) pairs under the provider's key "
+                        "that the key-recovery attacker gets (random-token prompts; 0 = the exposure alone)")
     a.add_argument("--head-tokens", type=_minimum("--head-tokens"), default=DEFAULTS.head_tokens,
                    help="the softmax head's training corpus: 0 = the inverse heads' (offline text and random-token "
                         "windows, sized to the vocabulary: ~180k tokens for smollm2); N = only its first N text tokens "

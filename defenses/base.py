@@ -11,6 +11,12 @@ A defence acts in up to three places (docs/architecture.md, "Where a defence act
   (``knows_defense=True``: everything the defence does to the weights; ``False``: only the
   original full-precision weights).
 
+What the attacker knows of the exposure is declared by the defence too: :meth:`Defense.knowledge`
+adds its part to an ``attacks.registry.Exposure`` (the pooling, the tying groups, the keyed scheme,
+the DP mechanism), which ``attacks.registry.strongest`` reads to pick the attack; a chain folds its
+members' declarations in order. The formal guarantee a defence claims, if any, is
+:meth:`Defense.guarantee`.
+
 Parameters are validated once, in ``__init__``; a bad value raises :class:`DefenseParamError`
 (a ``ValueError``) naming the parameter and what is allowed.
 """
@@ -71,6 +77,19 @@ class Defense(ABC):
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Absolute per-coordinate sigma of Gaussian noise in the exposure (0.0 if none)."""
         return 0.0
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """What an attacker knows of this defence's exposure, added to ``exposure`` (an
+        ``attacks.registry.Exposure``: the measured noise sigma, whether the states are exact, and what the
+        members before this one in a chain declared); returns the refined Exposure (``dataclasses.replace``).
+        ``knows_defense=False`` is the naive attacker: a defence then declares only what no attack can
+        ignore (a pooled layout). Default: nothing beyond the sigma (:meth:`noise_sigma`)."""
+        return exposure
+
+    def guarantee(self, n_states: int) -> dict | None:
+        """The formal guarantee the defence claims for one prompt of ``n_states`` exposed states, per state and
+        composed over them (defenses.dp); None: it claims none."""
+        return None
 
     @property
     def served_shape_matters(self) -> bool:
@@ -233,6 +252,20 @@ class Chain(Defense):
     def noise_sigma(self, states: torch.Tensor) -> float:
         """Independent Gaussian noise adds in quadrature."""
         return float(sum(m.noise_sigma(states) ** 2 for m in self.members) ** 0.5)
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """Each member's declaration in order (a pooling member comes last)."""
+        for member in self.members:
+            exposure = member.knowledge(exposure, knows_defense)
+        return exposure
+
+    def guarantee(self, n_states: int) -> dict | None:
+        """The one member's claim when only one claims; each claiming member's by ``position. name`` otherwise."""
+        claims = {f"{i + 1}. {m.name}": g for i, m in enumerate(self.members)
+                  if (g := m.guarantee(n_states)) is not None}
+        if len(claims) <= 1:
+            return next(iter(claims.values()), None)
+        return {"members": claims, "note": "each member's own claim; their composition is not computed"}
 
     def check_model(self, loaded: LoadedModel) -> None:
         for member in self.members:

@@ -27,19 +27,23 @@ delta, so one-sided Clopper-Pearson upper bounds on the measured FPR and FNR giv
 mechanism provably exceeds with the stated confidence (Jagielski et al. 2020; Nasr et al. 2021).
 benchmarks.experiments.dp_audit plays the game with the benchmark's attacker.
 
-The adaptive attacker knows the mechanism, its parameters and the clip: it decodes the exposure as
-noise of the mechanism's per-coordinate standard deviation (:meth:`DPNoise.noise_sigma`).
+The adaptive attacker knows the mechanism, its parameters and the clip (:meth:`DPNoise.knowledge`): it
+holds the clean model with the clip applied to its layer-l states (:meth:`DPNoise.attacker_model`), so its
+candidates are clipped as the exposed states were, and decodes the exposure as noise of the mechanism's
+per-coordinate standard deviation (:meth:`DPNoise.noise_sigma`; a Gaussian likelihood for the Laplace
+mechanisms too, matched in variance).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import replace
 
 import torch
 from scipy.stats import beta, norm
 
-from defenses.base import Defense, DefenseParamError, check_choice, check_number
+from defenses.base import Defense, DefenseParamError, check_choice, check_number, copy_loaded
 
 MECHANISMS = ("laplace-l2", "gaussian", "elliptical")
 
@@ -51,7 +55,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) ->
 
     def achieved(sigma: float) -> float:
         a, b = sensitivity / (2 * sigma), epsilon * sigma / sensitivity
-        return float(norm.cdf(a - b) - math.exp(epsilon) * norm.cdf(-a - b))
+        return float(norm.cdf(a - b) - math.exp(epsilon + norm.logcdf(-a - b)))  # log space: e^eps overflows
 
     low, high = 1e-12 * sensitivity, sensitivity
     while achieved(high) > delta:
@@ -119,6 +123,7 @@ class DPNoise(Defense):
         self.secure = secure
         self._generator = torch.Generator().manual_seed(self.seed)
         self.scale: torch.Tensor | None = None  # the elliptical mechanism's public per-dimension scale s
+        self._attacker = None  # (model, layer, the clipped copy) of attacker_model
         self.sigma = (analytic_gaussian_sigma(self.epsilon, delta, 2 * self.clip) if mechanism == "gaussian"
                       else None)
 
@@ -136,6 +141,47 @@ class DPNoise(Defense):
         if self.mechanism == "elliptical" and self.scale is None:
             self.scale = public_scale(loaded, layer)
         return loaded
+
+    def attacker_model(self, loaded, layer: int, knows_defense: bool = True):
+        """The clean model whose layer-l states are clipped as the exposure's are (a copy with a forward hook on
+        block l, sipit.whitebox.WhiteBox.transform_layer: the states at layer l are the clipped ones, nothing
+        below it changes); the naive attacker holds the clean model. One copy per (model, layer)."""
+        if not knows_defense:
+            return loaded
+        from sipit.whitebox import WhiteBox
+
+        held = self._attacker
+        if held is not None and held[0] is loaded.model and held[1] == layer:
+            return held[2]
+        if self.mechanism == "elliptical" and self.scale is None:
+            self.scale = public_scale(loaded, layer)
+        attacker = copy_loaded(loaded, f"{self.spec()}-clipped@{layer}")
+        scale = self.scale if self.mechanism == "elliptical" else None
+
+        def clip(states: torch.Tensor) -> torch.Tensor:
+            return clip_rows(states, self.clip, None if scale is None else scale.to(states.device)).to(states.dtype)
+
+        what = "rows / s" if scale is not None else "rows"
+        WhiteBox(attacker.model).transform_layer(layer, clip, key=f"dp clip {what} to L2 norm {self.clip!r}")
+        self._attacker = (loaded.model, layer, attacker)
+        return attacker
+
+    def check_exposure(self, exposure: str, d: int) -> None:
+        """The residual exposure only, for now: the informed attacker clips its candidates through a hook on the
+        residual stream (:meth:`attacker_model`), which the keys and values of the ``kv`` exposure never pass
+        through (and the elliptical scale is fitted on the residual stream)."""
+        if exposure != "residual":
+            raise DefenseParamError(f"dp acts on the residual exposure only for now (got {exposure!r}): its informed "
+                                    "attacker clips residual states, not the keys and values it computes")
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """The mechanism, its parameters and noise scale (the Gaussian's sigma, the Laplace rate eta); the
+        per-coordinate standard deviation the decoders take is the exposure's sigma (:meth:`noise_sigma`)."""
+        if not knows_defense:
+            return exposure
+        scale = {"sigma": self.sigma} if self.mechanism == "gaussian" else {"eta": self.eta}
+        return replace(exposure, dp={"mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta,
+                                     "clip": self.clip, **scale})
 
     def _stream(self, generator: torch.Generator | None) -> torch.Generator:
         if self.secure:
@@ -177,13 +223,16 @@ class DPNoise(Defense):
     def guarantee(self, n_states: int) -> dict:
         """The claim: per exposed state and composed over ``n_states`` states (module docstring)."""
         per = {"epsilon": self.epsilon, "delta": self.delta or 0.0}
-        out = {"per_state": per, "n_states": n_states,
-               "basic_composition": {"epsilon": n_states * self.epsilon, "delta": n_states * (self.delta or 0.0)},
+        out = {"mechanism": self.mechanism, "per_state": per, "n_states": n_states,
+               "basic_composition": {"epsilon": n_states * self.epsilon, "delta": n_states * (self.delta or 0.0),
+                                     "name": "basic composition over the prompt's T states: (T epsilon, T delta)"},
                "neighbours": f"any two states within the clip ball (L2 sensitivity {2 * self.clip:g})"}
         if self.mechanism == "gaussian":
             rho = n_states * (2 * self.clip) ** 2 / (2 * self.sigma**2)
             out["zcdp"] = {"rho": rho, "delta": self.delta,
-                           "epsilon": rho + 2 * math.sqrt(rho * math.log(1 / self.delta))}
+                           "epsilon": rho + 2 * math.sqrt(rho * math.log(1 / self.delta)),
+                           "name": "zero-concentrated DP (Bun & Steinke 2016): rho = T Delta^2 / (2 sigma^2), "
+                                   "epsilon(delta) = rho + 2 sqrt(rho ln(1/delta))"}
         return out
 
     def params(self) -> dict:

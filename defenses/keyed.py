@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import replace
 
 import torch
 
@@ -83,6 +84,13 @@ class KeyedMixing(Defense):
     def provider_view(self, states: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """What the key holder continues from: the exposure, restored."""
         return self.restore(self.expose(states, generator))
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """The scheme, scope and (rotate) rank, never the key: the key-recovery attacker's input
+        (attacks.key_recovery). The naive attacker is not told the exposure is mixed."""
+        if not knows_defense:
+            return exposure
+        return replace(exposure, keyed={"scheme": self.name, "scope": self.scope, "rank": getattr(self, "rank", 0)})
 
     def params(self) -> dict:
         return {"scope": self.scope, "seed": self.seed, "secure": self.secure}

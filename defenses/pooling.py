@@ -17,6 +17,8 @@ model and knows the pooling (:class:`attacks.pooled.PooledBeamAttack`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from defenses.base import Defense, DefenseParamError, check_choice, check_number
@@ -82,6 +84,11 @@ class Pooling(Defense):
         k = self.window_length(states.shape[0])
         rows = [reduce(part, self.mode, 0) for part in feats.split(k, dim=0)]
         return torch.stack(rows)[None]
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """The pooling, known to every attacker (naive or not): a pooled exposure has no per-position states
+        for any other attack to read."""
+        return replace(exposure, pooling=self)
 
     def params(self) -> dict:
         return {"mode": self.mode, "over": self.over, "k": self.k, "g": self.g}

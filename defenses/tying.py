@@ -22,6 +22,8 @@ group-level recovery metrics. Served model and attacker both hold the tied model
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -128,6 +130,11 @@ class WeightTying(Defense):
 
     def attacker_model(self, loaded: LoadedModel, layer: int, knows_defense: bool = True) -> LoadedModel:
         return self.serve(loaded, layer) if knows_defense else loaded
+
+    def knowledge(self, exposure, knows_defense: bool = True):
+        """The token -> group map when the exposure is exact, i.e. the attacker holds the tied model (the naive
+        attacker holds the original weights, so its states are not the exposure's and it gets no groups)."""
+        return replace(exposure, groups=self.groups()) if exposure.exact else exposure
 
     def params(self) -> dict:
         return {"groups": self.n_groups, "rare": self.rare, "seed": self.seed, "max_iter": self.max_iter}

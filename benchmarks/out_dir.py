@@ -59,11 +59,27 @@ class OutDir:
         self.release()
 
 
+def check_provenance(path: str | Path, flag: str = "--out") -> None:
+    """Results written under the repository's ``docs/`` are the ones the docs cite: they must come from a
+    clean commit (benchmarks.tracking.git_commit without ``+dirty``), or :class:`UsageError`."""
+    from benchmarks.tracking import REPO_ROOT, git_commit
+
+    docs = (REPO_ROOT / "docs").resolve()
+    target = Path(path).expanduser().resolve()
+    if target == docs or docs in target.parents:
+        commit = git_commit()
+        if commit.endswith("+dirty") or commit == "unknown":
+            raise UsageError(f"{flag} {str(path)!r} is under docs/, whose results the docs cite, and the code is "
+                             f"{commit}: commit first (results there come from a clean commit), or write elsewhere")
+
+
 def claim(path: str | Path, flag: str = "--out") -> OutDir:
     """Claim ``path`` as this command's results folder (module docstring); :class:`UsageError` names
-    ``flag`` when it is empty, cannot be created or written, or another running command holds it."""
+    ``flag`` when it is empty, under ``docs/`` while the tree is dirty (:func:`check_provenance`), cannot
+    be created or written, or another running command holds it."""
     if not str(path).strip():
         raise UsageError(f"{flag} is empty: name a folder for the results")
+    check_provenance(path, flag)
     path = Path(path).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.cli import default_out_dir, interrupt_once, run_main
+from benchmarks.cli import UsageError, default_out_dir, interrupt_once, run_main
+from benchmarks.out_dir import check_provenance
 from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsageError
 from benchmarks.search_processes import run_worker_processes, worker_process
 from benchmarks.search_report import write_report
@@ -136,6 +137,11 @@ def run_search(
     import optuna
 
     _check_options(n_trials, workers, storage_wait, steps=(create_only, attach, report_only))
+    if out is not None and not create_only:
+        try:
+            check_provenance(out)
+        except UsageError as err:
+            raise SearchUsageError(str(err)) from None
     config = make_config(model=model, layer=layer, families=families, mode=mode, threshold=threshold, seed=seed,
                          prompts=prompts, n_prompts=n_prompts, length=length, utility_tokens=utility_tokens,
                          utility_use=utility_use, attacks=attacks, budget=budget, sigma_low=sigma_low, sigma_high=sigma_high,

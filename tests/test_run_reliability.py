@@ -178,3 +178,17 @@ def test_ctrl_c_while_a_command_starts_is_one_line(module):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert err.strip() == "interrupted while starting (SIGINT): nothing was written"
+
+
+def test_results_under_docs_need_a_clean_commit(tmp_path, monkeypatch, capsys):
+    """A results folder under docs/ (what the docs cite) is refused while the tree is dirty, before anything is
+    written; anywhere else, and under docs/ from a clean commit, it is not."""
+    from benchmarks import out_dir, tracking
+
+    target = REPO / "docs" / "results" / f"provenance-test-{os.getpid()}"
+    monkeypatch.setattr(tracking, "git_commit", lambda: "0123abc+dirty")
+    err = error_of(TINY + ["--no-tracking", "--out", str(target)], capsys)
+    assert "is under docs/" in err and "0123abc+dirty" in err and not target.exists()
+    out_dir.check_provenance(tmp_path / "elsewhere")  # not under docs/: fine even when dirty
+    monkeypatch.setattr(tracking, "git_commit", lambda: "0123abc")
+    out_dir.check_provenance(target)

@@ -55,6 +55,7 @@ from attacks.registry import AttackOptions, Exposure, build
 from attacks.robust import RANKINGS
 from benchmarks.cli import (arg, check_float, check_floats, check_int, check_names, default_out_dir, interrupt_once,
                             run_main)
+from benchmarks.out_dir import check_provenance
 from benchmarks.prompts import SPLITS, load_prompts
 from sipit.atomic import write_text_atomic
 from sipit.margins import margin_from_states
@@ -501,6 +502,7 @@ def noise_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else default_out_dir("noise")
+    check_provenance(out)
     with interrupt_once():  # SIGINT or SIGTERM: say what is kept (the progress file) and exit 130
         try:
             result = rescore(args.rescore) if args.rescore else run(args.model, args.layer, args.sigmas, args, out)

@@ -142,6 +142,9 @@ def check_against_model(config: RunConfig, loaded, clean_wb) -> tuple[int, list]
         c.chain().check_exposure(clean_wb.exposure, clean_wb.d)
     except DefenseParamError as err:
         raise BenchmarkUsageError(f"--defense {' '.join(c.defenses)}: {err}") from None
+    if c.known_pairs > 4 * clean_wb.d:
+        raise BenchmarkUsageError(f"--known-pairs {c.known_pairs}: more than 4 x d = {4 * clean_wb.d} pairs add nothing "
+                                  f"(each pair gives at least one row; d independent rows determine a d x d mixing)")
     if c.utility_tokens:
         from defenses.utility import held_out_ids
 

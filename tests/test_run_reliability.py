@@ -127,6 +127,7 @@ def test_a_run_killed_outright_has_its_mlflow_runs_closed_by_the_next_run_in_its
     (["--defense", "pooling", "--pool-dims", "8,7"], "g=7 must divide the width d=64 of the residual exposure"),
     (["--defense", "noise", "--sigma", "0.1,1e300"], "sigma=1e+300 (abs) is too large"),
     (["--defense", "noise:sigma=0.1,sigma=0.2"], "parameter 'sigma' is given twice"),
+    (["--defense", "permute", "--known-pairs", "100000"], "--known-pairs 100000: more than 4 x d = 256 pairs add nothing"),
     (["--utility-tokens", "100000000"], "--utility-tokens 100000000: the held-out utility text holds"),
 ])
 def test_a_bad_value_is_refused_before_anything_runs_even_late_in_a_sweep(argv, message, tmp_path, capsys):

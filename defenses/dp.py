@@ -77,6 +77,33 @@ def epsilon_lower_bound(false_positives: int, false_negatives: int, n_negative: 
     return max([0.0, *bounds])
 
 
+def distinguishing_game(defence: "DPNoise", a: torch.Tensor, b: torch.Tensor, n: int, generator: torch.Generator,
+                        confidence: float = 0.95) -> dict:
+    """The audit's game on one pair of states ``a``, ``b`` (each ``(d,)``): ``n`` exposures of each through
+    ``defence.expose``; the attacker says "a" when the exposure is nearer a's clipped state than b's, in the
+    mechanism's metric (L2; L2 of h / s for the elliptical one): the likelihood-ratio test of every
+    mechanism here at its midpoint. Returns the counts, the measured error rates and
+    :func:`epsilon_lower_bound` at ``confidence`` beside the claimed epsilon."""
+    scale = defence.scale if defence.mechanism == "elliptical" else None
+    clean = defence.clipped(torch.stack([a, b]).float())
+    ca, cb = clean[0], clean[1]
+
+    def says_a(rows: torch.Tensor) -> torch.Tensor:
+        x = rows.float() if scale is None else rows.float() / scale
+        pa, pb = (ca, cb) if scale is None else (ca / scale, cb / scale)
+        return (x - pa).norm(dim=-1) < (x - pb).norm(dim=-1)
+
+    ya = defence.expose(a.expand(n, -1).clone(), generator)
+    yb = defence.expose(b.expand(n, -1).clone(), generator)
+    false_positives, false_negatives = int(says_a(yb).sum()), int((~says_a(ya)).sum())
+    lower = epsilon_lower_bound(false_positives, false_negatives, n, n, defence.delta or 0.0, confidence)
+    distance = float(((ca - cb) if scale is None else (ca - cb) / scale).norm())
+    return {"n_per_input": n, "false_positives": false_positives, "false_negatives": false_negatives,
+            "fpr": false_positives / n, "fnr": false_negatives / n, "clipped_distance": distance,
+            "epsilon_claimed": defence.epsilon, "delta": defence.delta or 0.0,
+            "epsilon_lower_bound": lower, "confidence": confidence}
+
+
 def _clopper_pearson_upper(k: int, n: int, confidence: float) -> float:
     """One-sided upper Clopper-Pearson bound of a binomial proportion k / n."""
     return 1.0 if k >= n else float(beta.ppf(confidence, k + 1, n - k))

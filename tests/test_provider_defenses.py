@@ -10,7 +10,7 @@ import torch
 from attacks.key_recovery import (KeyedAttack, assign_permutation, least_squares_mixing, permutation_from_row,
                                   procrustes)
 from defenses import make_defense
-from defenses.dp import analytic_gaussian_sigma, epsilon_lower_bound, laplace_l2
+from defenses.dp import analytic_gaussian_sigma, laplace_l2
 from defenses.utility import utility_cost
 from sipit.models import load_model
 from sipit.whitebox import WhiteBox
@@ -124,23 +124,24 @@ def test_the_dp_mechanisms_noise_scales_match_their_formulas():
 
 
 def test_the_audit_never_exceeds_a_correct_mechanisms_epsilon_and_catches_a_miscalibrated_one():
-    """The distinguishing game on two clipped states at distance 2C (the worst case): the likelihood-ratio test
-    of the Gaussian mechanism; 4000 draws per input."""
-    generator = torch.Generator().manual_seed(0)
-    d, clip, epsilon, delta, n = 16, 1.0, 1.0, 1e-5, 4000
+    """The distinguishing game (defenses.dp.distinguishing_game) on two states whose clipped forms lie 2C apart
+    (the worst case), 4000 exposures each through the mechanism itself: below the claim for every correct
+    mechanism, above it once the Gaussian's noise is 10x smaller than its claim requires."""
+    from defenses.dp import DPNoise, distinguishing_game
+
+    d, n = 16, 4000
     a = torch.zeros(d)
-    a[0] = clip
+    a[0] = 5.0  # clipped to norm 1
     b = -a
-
-    def audit(sigma: float) -> float:
-        ya = a + sigma * torch.randn(n, d, generator=generator)
-        yb = b + sigma * torch.randn(n, d, generator=generator)
-        says_a = lambda y: (y - a).norm(dim=-1) < (y - b).norm(dim=-1)  # noqa: E731
-        return epsilon_lower_bound(int(says_a(yb).sum()), int((~says_a(ya)).sum()), n, n, delta)
-
-    honest = analytic_gaussian_sigma(epsilon, delta, 2 * clip)
-    assert audit(honest) <= epsilon
-    assert audit(honest / 10) > epsilon  # noise 10x smaller than the claim: the audit proves the claim false
+    for mechanism in ("gaussian", "laplace-l2"):
+        honest = DPNoise(mechanism=mechanism, epsilon=1.0, clip=1.0)
+        game = distinguishing_game(honest, a, b, n, torch.Generator().manual_seed(0))
+        assert game["clipped_distance"] == pytest.approx(2.0)
+        assert 0.0 <= game["epsilon_lower_bound"] <= 1.0, game
+    broken = DPNoise(mechanism="gaussian", epsilon=1.0, clip=1.0)
+    broken.sigma /= 10  # miscalibrated: the claim says epsilon 1
+    game = distinguishing_game(broken, a, b, n, torch.Generator().manual_seed(0))
+    assert game["epsilon_lower_bound"] > 1.0, game
 
 
 def test_the_blind_estimate_of_sigma_is_within_ten_percent_on_a_clean_synthetic_case(llama, tmp_path, monkeypatch):
@@ -165,3 +166,18 @@ def test_the_blind_estimate_of_sigma_is_within_ten_percent_on_a_clean_synthetic_
         inv = attack.invert(observed, wb, 4, loaded.tokenizer)
         assert abs(attack.estimated_sigma - sigma) / sigma < 0.10
         assert inv.ids == ids
+
+
+def test_the_dp_audit_experiment_never_proves_more_than_a_correct_setting_claims(tmp_path):
+    """benchmarks.experiments.dp_audit on the tiny model: every mechanism, both pair kinds, lower bound <= claim."""
+    import json
+
+    from benchmarks.experiments import dp_audit
+
+    assert dp_audit.main(["--model", "tiny-llama", "--layer", "2", "--n-prompts", "1", "--length", "4",
+                          "--epsilons", "1,30", "--draws", "400", "--out", str(tmp_path), "--no-progress"]) == 0
+    rows = json.loads((tmp_path / "dp_audit.json").read_text())["rows"]
+    assert {(r["mechanism"], r["pair"]) for r in rows} == {(m, p) for m in ("laplace-l2", "gaussian", "elliptical")
+                                                           for p in ("worst", "token")}
+    assert all(0.0 <= r["epsilon_lower_bound"] <= r["epsilon_claimed"] for r in rows)
+    assert any(r["epsilon_lower_bound"] > 1.0 for r in rows if r["epsilon"] == 30)  # the game does detect leakage

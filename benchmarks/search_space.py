@@ -16,6 +16,12 @@ reuses its members' distributions):
 - ``pooling``: ``pooling.mode`` in (mean, max), ``pooling.over`` in (all, window) and, for window,
   ``pooling.k`` in [2, prompt length].
 - ``quant+noise``: a chain, quant first (``quant.mode``, ``noise.sigma``, ``noise.placement``).
+- ``permute``: a keyed permutation of the exposed dimensions, ``permute.scope`` in (deployment, prompt);
+  ``rotate``: a keyed orthogonal mixing, ``rotate.scope`` likewise and ``rotate.rank`` in ROTATE_RANKS
+  (0: a full random rotation; r: identity plus a rank-r mixing). The provider undoes both (continued
+  inference costs nothing); the attacker recovers the key from the exposure alone (no known pairs).
+- ``dp``: ``dp.mechanism`` in defenses.dp.MECHANISMS and ``dp.epsilon`` log-uniform in DP_EPSILONS, clip at
+  the defence's default: each exposed state clipped, then noised to the claimed per-state epsilon.
 
 A trial's utility loss (:func:`utility_loss`) prices one use of the states (``utility_use``, the one the
 study minimises; every trial records the loss of each of ``UTILITY_USES`` in ``utility_losses``, so
@@ -46,7 +52,11 @@ from dataclasses import asdict, dataclass
 
 from attacks.registry import describe
 
-FAMILIES = ("noise", "quant", "tying", "pooling", "quant+noise")
+FAMILIES = ("noise", "quant", "tying", "pooling", "quant+noise", "permute", "rotate", "dp")
+#: ``rotate.rank`` choices: 0 = a full random rotation, r = identity plus a rank-r mixing
+ROTATE_RANKS = (0, 1, 8, 32)
+#: ``dp.epsilon`` range (per exposed state), drawn log-uniform
+DP_EPSILONS = (0.1, 1e4)
 QUANT_MODES = ("int8", "nf4", "fp4", "act-int8", "act-nf4", "act-fp4", "nf4+act-nf4")
 SEARCH_ATTACKS = ("sipit", "softmax-head")
 #: the search's decoder under noise (attacks.registry.ROBUST): the main job's, see TrialContext
@@ -117,6 +127,16 @@ def suggest_setting(trial, families, *, vocab_size: int, length: int, sigma_low:
         params["over"] = over
         if over == "window":
             params["k"] = trial.suggest_int("pooling.k", 2, max(2, length))
+    for keyed in ("permute", "rotate"):
+        if keyed in names:
+            params["scope"] = trial.suggest_categorical(f"{keyed}.scope", ["deployment", "prompt"])
+    if "rotate" in names:
+        params["rank"] = trial.suggest_categorical("rotate.rank", list(ROTATE_RANKS))
+    if "dp" in names:
+        from defenses.dp import MECHANISMS
+
+        params.update(mechanism=trial.suggest_categorical("dp.mechanism", list(MECHANISMS)),
+                      epsilon=trial.suggest_float("dp.epsilon", *DP_EPSILONS, log=True))
     return family, names, params
 
 

@@ -123,3 +123,22 @@ def test_blind_is_a_run_attack_and_known_pairs_a_recorded_option():
     assert RunConfig.from_options(attacks="sipit,blind").attacks == ("sipit", "blind")
     assert "known_pairs" not in RunConfig().record() and RunConfig(known_pairs=3).record()["known_pairs"] == 3
     assert RunConfig().hash() != RunConfig(known_pairs=3).hash()
+
+
+def test_the_search_space_draws_the_provider_families_and_checks_given_settings():
+    """permute, rotate and dp are search families: both corners of each build a valid defence, a given setting
+    is typed and range-checked like a drawn one."""
+    from benchmarks.search_space import FAMILIES, check_given_setting, corner_settings
+    from defenses.registry import make_chain
+
+    ranges = dict(vocab_size=512, length=6, sigma_low=0.1, sigma_high=1.0)
+    for family in ("permute", "rotate", "dp"):
+        assert family in FAMILIES
+        for names, params in corner_settings(family, **ranges):
+            assert make_chain(names, **params).name == family
+    drawn = check_given_setting({"family": "dp", "dp.mechanism": "gaussian", "dp.epsilon": 3.0}, FAMILIES, **ranges)
+    assert drawn == {"family": "dp", "dp.mechanism": "gaussian", "dp.epsilon": 3.0}
+    with pytest.raises(ValueError, match="dp.epsilon"):
+        check_given_setting({"family": "dp", "dp.mechanism": "gaussian", "dp.epsilon": 1e9}, FAMILIES, **ranges)
+    with pytest.raises(ValueError, match="rotate.rank"):
+        check_given_setting({"family": "rotate", "rotate.scope": "prompt", "rotate.rank": 5}, FAMILIES, **ranges)

@@ -128,7 +128,7 @@ def test_blind_is_a_run_attack_and_known_pairs_a_recorded_option():
 def test_the_search_space_draws_the_provider_families_and_checks_given_settings():
     """permute, rotate and dp are search families: both corners of each build a valid defence, a given setting
     is typed and range-checked like a drawn one."""
-    from benchmarks.search_space import FAMILIES, check_given_setting, corner_settings
+    from benchmarks.search.space import FAMILIES, check_given_setting, corner_settings
     from defenses.registry import make_chain
 
     ranges = dict(vocab_size=512, length=6, sigma_low=0.1, sigma_high=1.0)

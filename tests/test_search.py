@@ -291,8 +291,8 @@ def test_a_study_stored_before_an_option_existed_is_checked_and_run_as_it_was_ma
     """What a study was stored without is filled once (stored_config) with what it did then, and the check
     and the worker read the same values: a budget stored without radius_cap searched the whole vocabulary
     (the worker used to read the stored dict as it was and cap the radius decoder at 256)."""
-    from benchmarks.search_study import LEGACY, stored_config
-    from benchmarks.search_trial import trial_context
+    from benchmarks.search.study import LEGACY, stored_config
+    from benchmarks.search.trial import trial_context
 
     config = search.make_config(**{**FAST, "robust": "map", "bound": "upper95"}, mode="constrained", seed=0,
                                 prompts="mixed", tying_method="rare", experiment="e", startup_trials=30)
@@ -473,7 +473,7 @@ def test_the_utility_use_prices_exposure_only_defences():
     the use (+inf); under "served" both are free, which is what made the old search answer degenerate."""
     import math
 
-    from benchmarks.search_space import AttackBudget, TrialContext, evaluate
+    from benchmarks.search.space import AttackBudget, TrialContext, evaluate
     from sipit.models import load_model
 
     loaded = load_model("tiny-llama")
@@ -500,7 +500,7 @@ def test_the_threshold_applies_to_the_upper_bound_and_the_report_says_when_a_bud
     """bound="upper95" (the default): a trial is feasible only when the Clopper-Pearson upper bound of
     the strongest attack's accuracy is under the threshold; 4 tokens per trial can never prove 0.3."""
     from benchmarks.metrics import clopper_pearson_upper
-    from benchmarks.search_study import tokens_needed
+    from benchmarks.search.study import tokens_needed
 
     assert tokens_needed(0.01) == 299 and clopper_pearson_upper(0, 299) <= 0.01 < clopper_pearson_upper(0, 298)
     quiet = dict(track=False, log=lambda *a, **k: None)
@@ -552,8 +552,8 @@ def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
     over the threshold); one whose first prompts show no leak attacks all max_prompts and is judged on
     them (a "holds" is claimed on the full sample only, even where the first 8 tokens could already bound the
     recovery under the threshold, 0.31 < 0.35); the first stage's prompts are the same either way."""
-    from benchmarks.search_space import evaluate
-    from benchmarks.search_trial import trial_context
+    from benchmarks.search.space import evaluate
+    from benchmarks.search.trial import trial_context
 
     config = search.make_config(**{**FAST, "bound": "upper95", "n_prompts": 2, "max_prompts": 6, "length": 4,
                                    "threshold": 0.35}, mode="constrained", seed=0, prompts="natural",
@@ -573,7 +573,7 @@ def test_a_trial_attacks_more_prompts_unless_its_first_ones_show_a_leak():
 def test_a_second_stage_is_sized_to_prove_a_third_of_the_threshold_four_times_in_five():
     """tokens_for_claim: the fewest tokens whose Clopper-Pearson bound proves a true recovery of threshold / 3
     in 80% of samples (one recovered token in 100 bounds 0.047 > 0.03; 303 tokens prove 0.01 < 0.03)."""
-    from benchmarks.search_study import claim_power, prompts_for_claim, tokens_for_claim
+    from benchmarks.search.study import claim_power, prompts_for_claim, tokens_for_claim
 
     n = tokens_for_claim(0.03)
     assert claim_power(n, 0.03, 0.01)[0] >= 0.8 > max(claim_power(m, 0.03, 0.01)[0] for m in range(100, n))
@@ -591,7 +591,7 @@ def test_a_setting_that_cannot_serve_the_use_is_no_answer_for_it(tmp_path):
     and never the study's answer, while the embedding store's front, from the same trials, takes them."""
     result = run_search(str(tmp_path / "pool.journal"), "pool", 2, out=tmp_path / "out", track=False,
                         log=lambda *a, **k: None, **{**FAST, "families": "pooling", "threshold": 0.99})
-    from benchmarks.search_report import build_report
+    from benchmarks.search.report import build_report
 
     trials = [t for t in _trials(str(tmp_path / "pool.journal"), "pool") if t.state == TrialState.COMPLETE]
     assert trials and all(t.constraints["use"] == 1.0 and math.isinf(t.user_attrs["utility_loss"]) for t in trials)
@@ -607,7 +607,7 @@ def test_the_search_budget_sizes_each_decoders_shortlist_and_keeps_its_ranking()
     """Under noise the budget's MAP ranks by the inverse heads + prior (policy learned) with k_prior + k_proxy;
     inexact noise-free states keep the gradient shortlist (k_prior + k_grad); the radius stop its cap."""
     from attacks.registry import Exposure, build
-    from benchmarks.search_space import AttackBudget
+    from benchmarks.search.space import AttackBudget
 
     budget = AttackBudget(k_prior=5, k_grad=7, k_proxy=11, radius_cap=13)
     noisy_map = build("sipit", Exposure(sigma=1.0), budget.options(robust="map", seed=0, policy="learned"))
@@ -708,7 +708,7 @@ def test_a_configuration_the_model_cannot_run_is_refused_before_anything_is_stor
 RACE = """
 import json, os, sys, time
 from pathlib import Path
-from benchmarks import search_study
+from benchmarks.search import study as search_study
 from benchmarks.search import run_search
 
 gates, make_parent = Path(sys.argv[1]), search_study.start_study_run

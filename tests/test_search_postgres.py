@@ -26,7 +26,7 @@ from services import PG_PASSWORD, MlflowServer, PostgresCluster, wait_until
 
 from benchmarks import search
 from benchmarks.search import SearchUsageError, run_search
-from benchmarks.search_runs import RUN_ATTR
+from benchmarks.search.runs import RUN_ATTR
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = dict(model="tiny-llama", layer=-1, families="noise", n_prompts=1, length=4, utility_tokens=32,

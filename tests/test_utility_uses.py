@@ -105,7 +105,7 @@ def test_utility_names_every_use_and_mean_pooling_keeps_the_store(llama):
 
 def test_the_search_prices_the_store_and_the_probe(llama):
     """--utility-use embedding_store / probing: the use's loss; a use the setting cannot serve costs +inf."""
-    from benchmarks.search_space import AttackBudget, TrialContext, evaluate
+    from benchmarks.search.space import AttackBudget, TrialContext, evaluate
 
     losses = {}
     for use in ("embedding_store", "probing"):

@@ -54,7 +54,7 @@ from pathlib import Path
 from benchmarks.cli import REPO_ROOT, arg, check_float, check_int, check_names, default_out_dir, run_main, split_list
 from benchmarks.experiments.search_load_probe import PROBE_ENV
 
-STORAGE_ENV = "SIPIT_SEARCH_STORAGE"  # benchmarks.search_storage.STORAGE_ENV (not imported: keeps this process light)
+STORAGE_ENV = "SIPIT_SEARCH_STORAGE"  # benchmarks.search.storage.STORAGE_ENV (not imported: keeps this process light)
 PROBE_FILE = Path(__file__).with_name("search_load_probe.py")
 STUDY = "load"
 N_TRIALS = 100000  # never reached: runs are bounded by time
@@ -259,10 +259,8 @@ def serve_grpc_proxy(port: int) -> None:
 
 def grpc_worker(port: int, n_trials: int, worker: int, track: bool, out: str) -> int:
     """One search worker whose storage is the proxy (no heartbeats: GrpcStorageProxy has none)."""
-    try:
-        from benchmarks.search_worker import run_worker
-    except ImportError:  # the search modules are being split: the CLI module re-exports it
-        from benchmarks.search import run_worker
+    from benchmarks.search.worker import run_worker
+
     try:
         run_worker(grpc_client(port), STUDY, n_trials, worker=worker, tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
                    track=track, out=out, log=lambda *a, **k: print(*a, **k, flush=True))

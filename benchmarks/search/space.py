@@ -230,7 +230,7 @@ class TrialContext:
 
     A trial attacks the first ``first_stage`` prompts, and the rest of ``prompt_ids`` unless those already
     show a leak above ``threshold`` (:func:`claim_after`, whose bounds ``bound`` names:
-    benchmarks.search_study.BOUNDS)."""
+    benchmarks.search.study.BOUNDS)."""
 
     def __init__(self, loaded, layer: int, prompt_ids: list[list[int]], *, seed: int, utility_tokens: int,
                  attacks: list[str], budget: AttackBudget, robust: str = SEARCH_ROBUST, utility_use: str = "served",

@@ -27,23 +27,23 @@ not) and re-queues its parameters (:func:`requeue`), so rerunning the command re
 its target. RDBStorage has heartbeats built in (``ResilientRDBStorage`` keeps them beating
 through a database outage); Optuna 5.1's JournalStorage does not, so ``HeartbeatJournalStorage``
 adds them. A storage outage is waited out (``--storage-wait``), an MLflow outage deferred
-(``benchmarks.search_runs``), Ctrl-C re-queues the running trials (exit 130), a dead worker
+(``benchmarks.search.runs``), Ctrl-C re-queues the running trials (exit 130), a dead worker
 process is named (exit 1). Secrets: the storage URL reaches worker processes through their
 environment (``$SIPIT_SEARCH_STORAGE``), and every message redacts passwords.
 
 Modes: ``constrained`` (TPE, minimise utility loss subject to recovery <= threshold, set with
 ``trial.set_constraint``; the value is copied to the user attribute ``constraint.recovery``) and
 ``pareto`` (NSGA-II, minimise (utility loss, recovery)). Utility loss = the cost to the use named by
-``--utility-use`` (search_space.utility_loss: perplexity increase of the served model or of inference
+``--utility-use`` (search.space.utility_loss: perplexity increase of the served model or of inference
 continued from the exposed states, recall@1 lost by an embedding store, accuracy lost by a probe). Samplers are seeded by
 (``seed``, worker index, trials in the study when the worker attached): a fresh 1-worker study is
 reproducible, a rerun draws new settings; with N workers the trial set depends on scheduling.
 
 This module is the command line and :func:`run_search`, which puts the steps together; each job
-has its module: ``search_study`` (configuration, study creation), ``search_storage`` (storage,
-heartbeats, stale-trial retry, outages), ``search_worker`` (the worker loop), ``search_trial``
-(one trial), ``search_processes`` (worker subprocesses), ``search_runs`` (MLflow runs),
-``search_report`` (the report), ``search_errors`` (how a search stops short).
+has its module: ``search.study`` (configuration, study creation), ``search.storage`` (storage,
+heartbeats, stale-trial retry, outages), ``search.worker`` (the worker loop), ``search.trial``
+(one trial), ``search.processes`` (worker subprocesses), ``search.runs`` (MLflow runs),
+``search.report`` (the report), ``search.errors`` (how a search stops short).
 """
 
 from __future__ import annotations
@@ -62,17 +62,17 @@ from pathlib import Path
 
 from benchmarks.cli import UsageError, default_out_dir, interrupt_once, run_main
 from benchmarks.out_dir import check_provenance
-from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsageError
-from benchmarks.search_processes import run_worker_processes, worker_process
-from benchmarks.search_report import write_report
-from benchmarks.search_runs import PARENT_ATTR, runs_or_none, study_runs
+from benchmarks.search.errors import SearchAborted, SearchInterrupted, SearchUsageError
+from benchmarks.search.processes import run_worker_processes, worker_process
+from benchmarks.search.report import write_report
+from benchmarks.search.runs import PARENT_ATTR, runs_or_none, study_runs
 from attacks.policies import POLICIES
 from attacks.registry import ROBUST
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget, check_given_setting
-from benchmarks.search_storage import STORAGE_ENV, open_storage, requeue
-from benchmarks.search_study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
-from benchmarks.search_trial import trial_context
-from benchmarks.search_worker import run_worker
+from benchmarks.search.space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, AttackBudget, check_given_setting
+from benchmarks.search.storage import STORAGE_ENV, open_storage, requeue
+from benchmarks.search.study import BOUNDS, MODES, UTILITY_USES, check_same_config, create_study, make_config, trial_counts
+from benchmarks.search.trial import trial_context
+from benchmarks.search.worker import run_worker
 from benchmarks.tracking import describe_error, redact
 
 __all__ = ["PARENT_ATTR", "STORAGE_ENV", "SearchAborted", "SearchInterrupted", "SearchUsageError", "build_parser",
@@ -129,7 +129,7 @@ def run_search(
     space and queued once (one already queued or measured is not queued again); they count toward ``n_trials``.
 
     Everything is validated (options, budget, the tracking store, the model and every value it must run:
-    ``search_trial.trial_context``, ``enqueue``) before the storage, the study or its MLflow parent run is created.
+    ``search.trial.trial_context``, ``enqueue``) before the storage, the study or its MLflow parent run is created.
     Returns ``{"study", "counts", "report" (or None), "ran" (trials run in-process)}``. Raises
     :class:`SearchUsageError` (bad input), :class:`SearchAborted` (a worker died, the storage stayed
     down: rerun to resume) or :class:`SearchInterrupted` (Ctrl-C: running trials re-queued).
@@ -219,7 +219,7 @@ def _check_tracking(tracking_uri: str | None, track: bool, *, creating: bool) ->
 
 
 def _check_enqueue(enqueue: list[dict], config: dict, ctx, *, steps: tuple[bool, bool]) -> list[dict]:
-    """The ``enqueue`` settings, each one the search space could draw (search_space.check_given_setting)
+    """The ``enqueue`` settings, each one the search space could draw (search.space.check_given_setting)
     for the model of ``ctx`` (the search's trial context; None when a step neither runs nor creates the study)."""
     if enqueue and any(steps):
         raise SearchUsageError("--enqueue needs the command that runs or creates the study, not --attach or --report-only")
@@ -288,8 +288,8 @@ def _close_parent(study, attach: bool, tracking_uri, track: bool, status: str, r
 
 
 def _json_object(text: str) -> dict:
-    """argparse type of ``--budget`` and ``--enqueue``: a JSON object (``search_study.check_budget`` and
-    ``search_space.check_given_setting`` check its keys and values)."""
+    """argparse type of ``--budget`` and ``--enqueue``: a JSON object (``search.study.check_budget`` and
+    ``search.space.check_given_setting`` check its keys and values)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompts", type=int, default=None,
                    help="prompts a trial attacks unless its first --n-prompts already show a leak (the strongest "
                         "attack's 95%% lower bound over the threshold); default: enough tokens to prove a recovery "
-                        "of a third of the threshold under it 4 times in 5 (benchmarks.search_study.tokens_for_claim; "
+                        "of a third of the threshold under it 4 times in 5 (benchmarks.search.study.tokens_for_claim; "
                         "threshold 0.03, 10 tokens per prompt: 35)")
     s.add_argument("--length", type=int, default=20)
     s.add_argument("--utility-tokens", type=int, default=128)

@@ -1,7 +1,7 @@
 """One search worker: run trials against the shared study until it holds its target of COMPLETE trials.
 
-Each round of the loop reaps stale trials (failed and re-queued, ``benchmarks.search_storage``),
-re-logs MLflow runs deferred by an outage, then runs one trial (``benchmarks.search_trial``).
+Each round of the loop reaps stale trials (failed and re-queued, ``benchmarks.search.storage``),
+re-logs MLflow runs deferred by an outage, then runs one trial (``benchmarks.search.trial``).
 A storage outage is waited out and the trial it interrupted re-queued; a trial another worker
 failed as stale while it ran here is left to its retry; Ctrl-C re-queues the running trial.
 """
@@ -14,12 +14,12 @@ import warnings
 from pathlib import Path
 
 from benchmarks.cli import default_out_dir
-from benchmarks.search_errors import SearchAborted, SearchInterrupted, SearchUsageError
-from benchmarks.search_runs import process_name, runs_or_none, study_runs
-from benchmarks.search_storage import (MAX_RETRY, is_requeued, open_storage, requeue, storage_down, storage_errors,
+from benchmarks.search.errors import SearchAborted, SearchInterrupted, SearchUsageError
+from benchmarks.search.runs import process_name, runs_or_none, study_runs
+from benchmarks.search.storage import (MAX_RETRY, is_requeued, open_storage, requeue, storage_down, storage_errors,
                                        wait_for_storage)
-from benchmarks.search_study import make_sampler, stored_config, trial_counts
-from benchmarks.search_trial import make_objective, trial_context
+from benchmarks.search.study import make_sampler, stored_config, trial_counts
+from benchmarks.search.trial import make_objective, trial_context
 from benchmarks.tracking import describe_error
 
 
@@ -37,7 +37,7 @@ def run_worker(storage, study_name: str, n_trials: int, *, worker: int = 0, trac
     """Run trials until the study holds ``n_trials`` COMPLETE ones; returns how many this worker ran.
 
     ``ctx``: the trial context of the study's configuration if the caller built it already (run_search does,
-    to check the configuration), else built here (``search_trial.trial_context``).
+    to check the configuration), else built here (``search.trial.trial_context``).
 
     A storage outage: the worker retries with backoff for up to ``storage_wait`` s (then SearchAborted)
     and re-queues the trial it was running. Ctrl-C: the running trial FAILs, is re-queued and its
@@ -182,7 +182,7 @@ def _abandon(study, current: dict, runs, status: str, reason: str, *, failed_her
     if runs is not None:
         runs.terminate(frozen.number, status, reason)
     # A trial found FAIL was failed by another worker's reaper as stale (unless ``failed_here``: Optuna in
-    # this process failed it, on Ctrl-C), and that reaper re-queues it (search_storage._stale_callback);
+    # this process failed it, on Ctrl-C), and that reaper re-queues it (search.storage._stale_callback);
     # re-queuing it here as well raced with it (two retries of one trial).
     return requeue(study, frozen) if failed_here else False
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.search_errors import SearchAborted, SearchInterrupted
-from benchmarks.search_storage import STORAGE_ENV
+from benchmarks.search.errors import SearchAborted, SearchInterrupted
+from benchmarks.search.storage import STORAGE_ENV
 
 
 def describe_exit(code: int) -> str:

@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.search_errors import SearchAborted, SearchUsageError
+from benchmarks.search.errors import SearchAborted, SearchUsageError
 from benchmarks.tracking import describe_error, redact
 
 STORAGE_ENV = "SIPIT_SEARCH_STORAGE"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.search_errors import SearchUsageError
-from benchmarks.search_runs import PARENT_ATTR, discard_study_run, start_study_run
-from benchmarks.search_space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTILITY_USES, AttackBudget
+from benchmarks.search.errors import SearchUsageError
+from benchmarks.search.runs import PARENT_ATTR, discard_study_run, start_study_run
+from benchmarks.search.space import FAMILIES, SEARCH_ATTACKS, SEARCH_ROBUST, UTILITY_USES, AttackBudget
 
 MODES = ("constrained", "pareto")
 CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "prompts", "n_prompts", "length",
@@ -24,7 +24,7 @@ CONFIG_KEYS = ("model", "layer", "families", "mode", "threshold", "seed", "promp
 #: its chance level (benchmarks.metrics.excess_bounds), its Clopper-Pearson upper bound (a claim that chance
 #: hits alone can defeat), or its point estimate (studies made before either)
 BOUNDS = ("excess95", "upper95", "point")
-#: the trial measurement each bound constrains (benchmarks.search_space.evaluate)
+#: the trial measurement each bound constrains (benchmarks.search.space.evaluate)
 CONSTRAINED = {"excess95": "recovery_excess_upper95", "upper95": "recovery_upper95", "point": "recovery"}
 
 
@@ -65,7 +65,7 @@ def make_config(*, model, layer, families, mode, threshold, seed, prompts, n_pro
     """Validated search configuration (everything that must agree between workers).
 
     ``max_prompts`` (default :func:`prompts_for_claim`) is how many prompts a trial attacks when its first
-    ``n_prompts`` show no leak (benchmarks.search_space.evaluate)."""
+    ``n_prompts`` show no leak (benchmarks.search.space.evaluate)."""
     if isinstance(families, str):
         families = [f.strip() for f in families.split(",") if f.strip()]
     families = list(families or [])
@@ -140,14 +140,14 @@ def make_sampler(config: dict, worker: int, attach_count: int = 0):
     if config["mode"] == "pareto":
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
     # the first ``startup_trials`` trials of the study are drawn at random: an unbiased sample that prices every
-    # use (the per-use fronts of search_report.per_use), before TPE refines the study's own use
+    # use (the per-use fronts of search.report.per_use), before TPE refines the study's own use
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=config["startup_trials"])
 
 
 def create_study(storage, study_name: str, config: dict, *, tracking_uri=None, track: bool = True):
     """Create the study (or load it, checking the config agrees) and its MLflow parent run.
 
-    ``storage`` comes from ``search_storage.open_storage``: the configuration and the parent run id are
+    ``storage`` comes from ``search.storage.open_storage``: the configuration and the parent run id are
     set first-writer-wins (its ``set_study_user_attr_once``), so commands that create the same study at
     once agree on both; a parent run made by a command that lost the race is marked FAILED and deleted."""
     import optuna

@@ -2,7 +2,7 @@
 
 The measurement is recorded three times: as the trial's Optuna user attributes (and, in mode
 ``constrained``, its constraint), in ``<out>/trials/trial-<n>.json`` and on the trial's nested
-MLflow run (``benchmarks.search_runs``).
+MLflow run (``benchmarks.search.runs``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks.search_errors import SearchUsageError
-from benchmarks.search_runs import write_trial_file
-from benchmarks.search_space import AttackBudget, report_group
+from benchmarks.search.errors import SearchUsageError
+from benchmarks.search.runs import write_trial_file
+from benchmarks.search.space import AttackBudget, report_group
 from benchmarks.tracking import describe_error
 
 
 def trial_context(config: dict, device: str = "auto"):
-    """What every trial of a worker shares (a ``search_space.TrialContext``): model, layer, prompts of ``config``.
+    """What every trial of a worker shares (a ``search.space.TrialContext``): model, layer, prompts of ``config``.
 
     The prompts are the ``n_prompts`` of the first stage, then those of the ``max_prompts`` set (same
     seed) that are not among them: a trial whose first stage shows no leak attacks them too.
@@ -26,7 +26,7 @@ def trial_context(config: dict, device: str = "auto"):
     length (its context), the utility tokens (its held-out text), the prompts and the ends of each
     family's range; the search builds this before it stores a study (benchmarks.search.run_search)."""
     from benchmarks.prompts import named_prompt_set
-    from benchmarks.search_space import TrialContext
+    from benchmarks.search.space import TrialContext
     from defenses.utility import held_out_ids
     from sipit.models import load_model
     from sipit.whitebox import WhiteBox
@@ -69,7 +69,7 @@ def _checked(make, flag: str = ""):
 def _check_families(ctx, config: dict) -> None:
     """Each family's defence at both ends of its range fits the model and the exposure (``Defense.check_model``,
     ``Defense.check_exposure``)."""
-    from benchmarks.search_space import corner_settings
+    from benchmarks.search.space import corner_settings
 
     for family in config["families"]:
         for names, params in corner_settings(family, vocab_size=ctx.clean_wb.vocab_size, length=config["length"],
@@ -88,7 +88,7 @@ def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int
     import optuna
     from optuna.trial import TrialState
 
-    from benchmarks.search_space import suggest_setting
+    from benchmarks.search.space import suggest_setting
 
     vocab = ctx.clean_wb.vocab_size
 
@@ -119,7 +119,7 @@ def make_objective(study, config: dict, ctx, runs, *, n_trials: int, worker: int
 
 def _measure(trial, ctx, config, runs, names, params, out_dir: Path) -> dict:
     """Evaluate (or re-use) one setting and record it: Optuna user attrs, the results folder, MLflow."""
-    from benchmarks.search_space import evaluate
+    from benchmarks.search.space import evaluate
 
     logged = runs is not None and runs.start(trial, trial.user_attrs["family"])
     try:
@@ -149,9 +149,9 @@ def _fmt(value: float | None) -> str:
 
 
 def constrained_recovery(m: dict, config: dict) -> float:
-    """The recovery the threshold applies to (benchmarks.search_study.BOUNDS): the strongest attack's 95%
+    """The recovery the threshold applies to (benchmarks.search.study.BOUNDS): the strongest attack's 95%
     upper bound above chance, its 95% upper bound, or its point estimate (studies made before the bounds)."""
-    from benchmarks.search_study import CONSTRAINED
+    from benchmarks.search.study import CONSTRAINED
 
     return m[CONSTRAINED[config["bound"]]]
 

@@ -14,11 +14,11 @@ import math
 from pathlib import Path
 
 from benchmarks.metrics import clopper_pearson_upper
-from benchmarks.search_runs import PARENT_ATTR, imported_runs, study_runs, with_retries
-from benchmarks.search_space import UTILITY_USES
-from benchmarks.search_study import CONSTRAINED, stored_config, tokens_needed, trial_counts
+from benchmarks.search.runs import PARENT_ATTR, imported_runs, study_runs, with_retries
+from benchmarks.search.space import UTILITY_USES
+from benchmarks.search.study import CONSTRAINED, stored_config, tokens_needed, trial_counts
 
-#: how the report names the utility use a study prices (benchmarks.search_study.UTILITY_USES)
+#: how the report names the utility use a study prices (benchmarks.search.study.UTILITY_USES)
 USE_NAMES = {"served": "served model", "continued": "inference continued from the exposed states",
              "embedding_store": "embedding store (defended sentence vectors vs a clean store)",
              "probing": "linear probes trained on clean states"}
@@ -44,7 +44,7 @@ def _pareto(points: list[tuple[float, float, int]]) -> list[int]:
 
 
 def _row(trial, threshold: float, bound: str) -> dict:
-    """One COMPLETE trial as a report row (``bound``: what the threshold applies to, search_study.BOUNDS)."""
+    """One COMPLETE trial as a report row (``bound``: what the threshold applies to, search.study.BOUNDS)."""
     u = trial.user_attrs
     constrained = u[CONSTRAINED[bound]]
     return {"trial": trial.number, "group": u["group"], "family": u["family"], "params": trial.params,
@@ -99,7 +99,7 @@ def stages_note(config: dict) -> str:
     if config["max_prompts"] == config["n_prompts"]:
         return f"{config['n_prompts']} x {config['length']} tokens"
     return (f"{config['n_prompts']} x {config['length']} tokens, {config['max_prompts']} x {config['length']} when "
-            "the first show no leak (search_space.claim_after)")
+            "the first show no leak (search.space.claim_after)")
 
 
 def build_report(study, *, threshold: float | None = None, ppl_limit: float = 0.10) -> dict:
@@ -141,7 +141,7 @@ def _fmt_params(params: dict) -> str:
                      for k, v in params.items() if k != "family")
 
 
-#: how the report's header names what the threshold constrains (search_study.BOUNDS)
+#: how the report's header names what the threshold constrains (search.study.BOUNDS)
 BOUND_NAMES = {"excess95": ", its one-sided 95% upper bound above the attack's chance level)",
                "upper95": ", its one-sided 95% Clopper-Pearson upper bound)", "point": ")"}
 
@@ -259,7 +259,7 @@ def plot_report(report: dict, path: Path) -> Path:
 
 def plot_uses(report: dict, path: Path) -> Path:
     """One panel per use: the constrained recovery (the strongest attack's 95% upper bound above chance, its
-    95% upper bound, or its point estimate: search_study.BOUNDS) vs that use's loss of every trial it can serve, with its Pareto front."""
+    95% upper bound, or its point estimate: search.study.BOUNDS) vs that use's loss of every trial it can serve, with its Pareto front."""
     import matplotlib
 
     matplotlib.use("Agg")

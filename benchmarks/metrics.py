@@ -301,6 +301,25 @@ def describe_noise(summary: dict) -> str:
             f"median ||n|| / (Delta/2) = {summary['ratio_to_half_delta_median']:.3g}: {summary['verdict']}")
 
 
+def use_lines(uses: dict) -> list[str]:
+    """One line per use of the states beyond serving and continued inference (defenses.uses)."""
+    lines = []
+    store, probe = uses.get("embedding_store"), uses.get("probing")
+    if store:
+        m = store.get("metrics") or {}
+        lines.append("embedding store: " + (
+            f"recall@1 of defended queries {m.get('mean_recall_at_1', float('nan')):.3f} (mean-pooled), "
+            f"{m.get('last_recall_at_1', float('nan')):.3f} (last token), loss {store['loss']:.3f}"
+            if store.get("applicable") else "not applicable"))
+    if probe:
+        m = probe.get("metrics") or {}
+        lines.append("linear probes: " + (
+            f"accuracy {m.get('accuracy_clean', float('nan')):.3f} on clean -> "
+            f"{m.get('accuracy_defended', float('nan')):.3f} on defended states (loss {probe['loss']:.3f})"
+            if probe.get("applicable") else "not applicable (no per-position states)"))
+    return lines
+
+
 def median(values) -> float:
     values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return statistics.median(values) if values else float("nan")

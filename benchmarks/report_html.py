@@ -15,8 +15,7 @@ import base64
 import html
 from pathlib import Path
 
-from benchmarks.metrics import describe_noise
-from benchmarks.run_outputs import use_lines
+from benchmarks.metrics import describe_noise, use_lines
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

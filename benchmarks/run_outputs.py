@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.metrics import use_lines
+
 
 
 @dataclass
@@ -122,25 +124,6 @@ def format_table(results: dict) -> str:
                      + (f" (exposed {h['heldout_accuracy_exposed']:.3f})" if h.get("heldout_accuracy_exposed") is not None else "")
                      + f", {h['n_classes']} classes, coverage of eval tokens {h.get('coverage', float('nan')):.3f}")
     return "\n".join(lines)
-
-
-def use_lines(uses: dict) -> list[str]:
-    """One line per use of the states beyond serving and continued inference (defenses.uses)."""
-    lines = []
-    store, probe = uses.get("embedding_store"), uses.get("probing")
-    if store:
-        m = store.get("metrics") or {}
-        lines.append("embedding store: " + (
-            f"recall@1 of defended queries {m.get('mean_recall_at_1', float('nan')):.3f} (mean-pooled), "
-            f"{m.get('last_recall_at_1', float('nan')):.3f} (last token), loss {store['loss']:.3f}"
-            if store.get("applicable") else "not applicable"))
-    if probe:
-        m = probe.get("metrics") or {}
-        lines.append("linear probes: " + (
-            f"accuracy {m.get('accuracy_clean', float('nan')):.3f} on clean -> "
-            f"{m.get('accuracy_defended', float('nan')):.3f} on defended states (loss {probe['loss']:.3f})"
-            if probe.get("applicable") else "not applicable (no per-position states)"))
-    return lines
 
 
 def flat_metrics(results: dict) -> dict:

@@ -4,7 +4,7 @@
     python -m benchmarks.run --defense noise:sigma=1|10,placement=model|exposure
 
 benchmarks.config.sweep_configs expands the options into one RunConfig per setting; each runs with
-benchmarks.run.run_benchmark into ``--out/<config hash>/`` (its own results.json, CSVs, plots), its
+benchmarks.benchmark.run_benchmark into ``--out/<config hash>/`` (its own results.json, CSVs, plots), its
 MLflow run nested under the sweep's parent run (attack runs under it, as in a single run). After
 every setting the sweep writes ``sweep.json``, ``sweep.md`` (one row per setting and attack) and
 ``sweep.png`` (token accuracy +- its prompt-clustered se against the swept parameter, per attack;
@@ -165,7 +165,7 @@ def _finished(out: Path) -> dict | None:
 
 def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> dict:
     """Run every config of a sweep (module docstring); return the sweep's summary dict."""
-    from benchmarks.run import check_against_model, load_for
+    from benchmarks.benchmark import check_against_model, load_for
 
     for config in configs:
         config.validate()  # every setting's options are checked before the first one runs
@@ -185,7 +185,7 @@ def run_sweep(configs: list[RunConfig], *, progress: bool = True, log=print) -> 
 def _run_settings(configs: list[RunConfig], claimed, digest: str, *, progress: bool, log) -> dict:
     """The settings of :func:`run_sweep`, once its folder is claimed (benchmarks.out_dir)."""
     from benchmarks import tracking
-    from benchmarks.run import run_benchmark
+    from benchmarks.benchmark import run_benchmark
 
     first, out = configs[0], claimed.path
     values = swept_values(configs)

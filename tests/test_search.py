@@ -250,7 +250,7 @@ def test_bad_budget_is_refused_before_the_study_exists_so_the_name_stays_usable(
 
 
 def test_unreachable_tracking_server_is_one_error_within_seconds(tmp_path):
-    from services import free_port
+    from benchmarks.tools.services import free_port
 
     started = time.monotonic()
     proc = _cli("--storage", str(tmp_path / "s.journal"), "--tracking-uri", f"http://127.0.0.1:{free_port()}",

@@ -1,4 +1,4 @@
-"""benchmarks.experiments.search_load: the rates from a fake run, the CPU accounting, the probe, one real run."""
+"""benchmarks.tools.search_load: the rates from a fake run, the CPU accounting, the probe, one real run."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.experiments import search_load as load
-from benchmarks.experiments import search_load_probe as probe
+from benchmarks.tools import search_load as load
+from benchmarks.tools import search_load_probe as probe
 
 T0 = 1000.0
 

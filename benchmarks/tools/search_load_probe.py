@@ -1,4 +1,4 @@
-"""Timing probe of the search's storage and tracking calls, for ``benchmarks.experiments.search_load``.
+"""Timing probe of the search's storage and tracking calls, for ``benchmarks.tools.search_load``.
 
 Loaded as ``sitecustomize`` into the worker processes of a load run (search_load copies this file
 into a folder on their ``PYTHONPATH``), so ``python -m benchmarks.search`` runs unchanged. When

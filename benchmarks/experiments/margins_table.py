@@ -9,6 +9,11 @@ of each prompt. Speed: at the measured positions the full-vocabulary margin cost
 steps; it is compared with (a) ``WhiteBox.step`` of the same candidates without distances and
 (b) a plain batched full forward (``WhiteBox.states`` semantics, no cache) of an equal number of
 tokens, arranged as V/(t+1) sequences of length t+1 so each token attends over as many positions.
+
+``--dtype bf16|fp16`` and ``--exposure kv`` measure the margins and the collision audit of that exposure
+(the audit's states come from whole forwards, as served; the margins' candidate states from cached
+steps, which in half precision differ from the served forward by the gap that
+benchmarks.experiments.gap measures: read small margins against it).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from benchmarks.experiments.speed import check_layer_spec, named_layers
 from benchmarks.prompts import load_prompts
 from sipit.audit import audit, table
 from sipit.margins import margins, position_margin
-from sipit.models import DEFAULT_MODEL, load_model
-from sipit.whitebox import WhiteBox
+from sipit.models import DEFAULT_MODEL, DTYPES, load_model
+from sipit.whitebox import EXPOSURES, WhiteBox
 
 
 @torch.no_grad()
@@ -79,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="collision audit over this many prompts")
     ap.add_argument("--audit-length", type=count, default=12)
     ap.add_argument("--audit-layers", type=layers, default="first,middle,last")
-    ap.add_argument("--audit-pairs", type=count, default=1, help="closest pairs extended by every token")
+    ap.add_argument("--audit-pairs", type=arg(check_int, low=0), default=1,
+                    help="closest pairs extended by every token (0: no extension, the pairwise minimum only)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the precision the model is served in")
+    ap.add_argument("--exposure", choices=EXPOSURES, default="residual")
     ap.add_argument("--out", default=None, help=f"results folder (default {default_out_dir('margins')})")
     return ap
 
@@ -92,8 +100,8 @@ def margins_command(args: argparse.Namespace) -> int:
     """Margins per layer, optional speed ratio and collision audit, written to ``--out``."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
-    wb = WhiteBox(lm.model)
+    lm = load_model(args.model, dtype=args.dtype)
+    wb = WhiteBox(lm.model, exposure=args.exposure)
     prompts = ([p[: args.positions] for p in load_prompts(lm.tokenizer, args.n_prompts, length=args.positions)]
                if args.positions > 0 else [])
     out = Path(args.out) if args.out is not None else default_out_dir("margins")
@@ -121,7 +129,8 @@ def margins_command(args: argparse.Namespace) -> int:
         if layer in (named_layers(args.speed_layers, wb, "--speed-layers") if args.speed_layers else []):
             speeds.append(speed_ratio(wb, prompts[0], layer, args.chunk))
             print("  speed:", {k: round(v, 3) if isinstance(v, float) else v for k, v in speeds[-1].items()}, flush=True)
-    (out / "margins.json").write_text(json.dumps({"model": args.model, "rows": rows, "speed": speeds,
+    (out / "margins.json").write_text(json.dumps({"model": args.model, "dtype": args.dtype, "exposure": args.exposure,
+                                                  "rows": rows, "speed": speeds,
                                                   "threads": torch.get_num_threads()}, indent=1))
     lines = ["| layer | positions | Delta min | Delta median | Delta max | Delta/||h|| median | s/position |",
              "|---|---|---|---|---|---|---|"]
